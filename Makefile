@@ -1,0 +1,29 @@
+# The torch wheel for this CPU machine lies on disk; any other spec pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-all demo bench fuzz clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m sac_compile.demo
+
+bench: setup
+	$(PY) benchmarks/eager_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

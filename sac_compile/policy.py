@@ -1,0 +1,298 @@
+"""The policy core: what a policy may be, what one op's decision is, and how the
+opinions of nested regions and tags resolve into that decision.
+
+Both the eager runtime and the compiler call :func:`decide`, so the same policy gives
+the same decision in both modes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+CheckpointPolicy = _torch_checkpoint.CheckpointPolicy
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+MUST_CPU_OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
+PREFER_CPU_OFFLOAD = CheckpointPolicy.PREFER_CPU_OFFLOAD
+
+_MUSTS = frozenset({MUST_SAVE, MUST_RECOMPUTE, MUST_CPU_OFFLOAD})
+_SAVES = frozenset({MUST_SAVE, PREFER_SAVE, MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD})
+_OFFLOADS = frozenset({MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD})
+
+
+class CheckpointError(_torch_checkpoint.CheckpointError):
+    """Raised for checkpointing misuse; the message names the op, the region and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SaveWithHooks:
+    """A policy result: save the op's output as ``pack(t)`` and restore it with ``unpack(packed)``.
+
+    Each hook is called exactly once per saved tensor. It is a MUST decision: it beats
+    PREFER opinions and conflicts with a different MUST (a plain MUST_SAVE is compatible).
+    """
+
+    pack: Callable[[torch.Tensor], Any]
+    unpack: Callable[[Any], torch.Tensor]
+
+    def __repr__(self) -> str:
+        return f"SaveWithHooks({getattr(self.pack, '__name__', self.pack)}, " \
+               f"{getattr(self.unpack, '__name__', self.unpack)})"
+
+
+Opinion = Union[CheckpointPolicy, SaveWithHooks]
+PolicyFn = Callable[..., Any]
+PolicyLike = Union[PolicyFn, str, Iterable[Any]]
+
+
+class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
+    """What a policy sees besides the op: torch's ``is_recompute``/``op_output``, plus
+    the region it is asked for, the path of active regions, and the labels of the output."""
+
+    def __init__(self, *, op_output: Any = None, region: str = "",
+                 region_path: tuple[str, ...] = (), names: frozenset[str] = frozenset()) -> None:
+        # The user's Python is never re-run, so a policy is never asked during recompute.
+        super().__init__(is_recompute=False, op_output=op_output)
+        self.region = region
+        self.region_path = region_path
+        self.names = names
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionFrame:
+    """One active region: its name and its normalised policy function."""
+
+    name: str
+    policy: PolicyFn
+
+
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """One non-None opinion, from a region's policy or from a tag/name on the output."""
+
+    opinion: Opinion
+    region: str
+    source: str  # "policy" | "tag" | "name"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The resolved decision for one op."""
+
+    policy: CheckpointPolicy
+    hooks: SaveWithHooks | None = None
+    region: str | None = None
+    source: str = "default"  # "policy" | "tag" | "name" | "default" | "resolution"
+    overridden: tuple[Vote, ...] = ()
+
+    @property
+    def is_must(self) -> bool:
+        return self.policy in _MUSTS
+
+    @property
+    def saves(self) -> bool:
+        return self.policy in _SAVES
+
+    @property
+    def offloads(self) -> bool:
+        return self.policy in _OFFLOADS
+
+    @property
+    def label(self) -> str:
+        return "SaveWithHooks" if self.hooks is not None else self.policy.name
+
+    def reason(self) -> str:
+        if self.source == "default":
+            return f"{self.label} by default (no policy had an opinion)"
+        where = f"in region {self.region!r}"
+        if self.source == "resolution":
+            beaten = ", ".join(f"{_label(v.opinion)} of {v.source} in {v.region!r}"
+                               for v in self.overridden)
+            return f"{self.label} {where} (beats {beaten})"
+        return f"{self.label} by {self.source} {where}"
+
+
+DEFAULT_DECISION = Decision(PREFER_RECOMPUTE)
+
+
+def _label(opinion: Opinion) -> str:
+    return "SaveWithHooks" if isinstance(opinion, SaveWithHooks) else opinion.name
+
+
+def _is_must(opinion: Opinion) -> bool:
+    return isinstance(opinion, SaveWithHooks) or opinion in _MUSTS
+
+
+def op_name(op: Any) -> str:
+    return str(op)
+
+
+# --------------------------------------------------------------------------------------
+# Policy forms
+# --------------------------------------------------------------------------------------
+
+def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
+    """OpOverloads as given; an OpOverloadPacket stands for all of its overloads."""
+    out: set[Any] = set()
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            out.update(getattr(op, name) for name in op.overloads())
+        elif isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            out.add(op)
+        else:
+            raise TypeError(
+                f"{what}: expected ATen ops such as torch.ops.aten.mm.default or "
+                f"torch.ops.aten.mm, got {op!r} of type {type(op).__name__}")
+    return frozenset(out)
+
+
+class NamedPolicy:
+    """A policy function with a readable name (shown in errors, reports and repr)."""
+
+    __slots__ = ("fn", "name", "__weakref__")
+
+    def __init__(self, fn: PolicyFn, name: str) -> None:
+        self.fn = fn
+        self.name = name
+
+    def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(ctx, op, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _op_list_policy(ops: Iterable[Any]) -> NamedPolicy:
+    op_set = expand_ops(ops, what="policy list")
+
+    def saves_listed_ops(ctx, op, *args, **kwargs):
+        return MUST_SAVE if op in op_set else PREFER_RECOMPUTE
+
+    names = ", ".join(sorted(op_name(o) for o in op_set))
+    return NamedPolicy(saves_listed_ops, f"[{names}]")
+
+
+def normalize_policy(policy: PolicyLike) -> PolicyFn:
+    """Turn any accepted policy form into a function ``(ctx, op, *args, **kwargs)``.
+
+    Raises ``TypeError`` naming the value for anything that is not a policy.
+    """
+    from . import policies  # presets live beside the core; imported late to avoid a cycle
+
+    if isinstance(policy, str):
+        preset = policies.PRESETS.get(policy)
+        if preset is None:
+            raise TypeError(f"unknown policy name {policy!r}; expected one of "
+                            f"{sorted(policies.PRESETS)} or a policy function")
+        return preset
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        return _op_list_policy(policy)
+    if isinstance(policy, (CheckpointPolicy, bool, SaveWithHooks)) or policy is None:
+        raise TypeError(
+            f"policy {policy!r} is a decision, not a policy; pass a function returning it, "
+            f"e.g. lambda ctx, op, *a, **k: {policy!r}")
+    if callable(policy):
+        return policy
+    raise TypeError(f"policy must be a function (ctx, op, *args, **kwargs), a list/tuple/set "
+                    f"of ops, or one of 'recompute_all', 'save_all', 'save_matmuls'; "
+                    f"got {policy!r} of type {type(policy).__name__}")
+
+
+def coerce_opinion(value: Any, op: Any, region: str) -> Opinion | None:
+    """What torch accepts from a policy (bool included), or a CheckpointError."""
+    if value is None or isinstance(value, (CheckpointPolicy, SaveWithHooks)):
+        return value
+    if isinstance(value, bool):
+        return MUST_SAVE if value else PREFER_RECOMPUTE
+    raise CheckpointError(
+        f"the policy of region {region!r} returned {value!r} (type {type(value).__name__}) "
+        f"for op {op_name(op)}; a policy must return a CheckpointPolicy, a bool, None or "
+        f"SaveWithHooks")
+
+
+# --------------------------------------------------------------------------------------
+# Resolution: one function decides every op
+# --------------------------------------------------------------------------------------
+
+def resolve_decision(op: Any, votes: Sequence[Vote]) -> Decision:
+    """Resolve the opinions of one op, ordered from the outermost region to the innermost
+    (a tag on the output last).
+
+    MUST beats PREFER; two different MUSTs are an error; between PREFERs the innermost
+    wins; no opinion at all is PREFER_RECOMPUTE.
+    """
+    if not votes:
+        return DEFAULT_DECISION
+    must: Vote | None = None
+    prefer: Vote | None = None
+    for vote in votes:
+        if _is_must(vote.opinion):
+            if must is None:
+                must = vote
+            else:
+                must = _merge_musts(op, must, vote)
+        else:
+            prefer = vote  # innermost PREFER wins
+    winner = must if must is not None else prefer
+    assert winner is not None
+    overridden = tuple(v for v in votes if v is not winner and v.opinion is not winner.opinion)
+    opinion = winner.opinion
+    hooks = opinion if isinstance(opinion, SaveWithHooks) else None
+    policy = MUST_SAVE if hooks is not None else opinion
+    source = "resolution" if overridden else winner.source
+    return Decision(policy, hooks, winner.region, source, overridden)
+
+
+def _merge_musts(op: Any, a: Vote, b: Vote) -> Vote:
+    if a.opinion is b.opinion:
+        return b
+    # A plain MUST_SAVE and SaveWithHooks agree that the value is saved; the hooks say how.
+    if isinstance(a.opinion, SaveWithHooks) and b.opinion is MUST_SAVE:
+        return a
+    if isinstance(b.opinion, SaveWithHooks) and a.opinion is MUST_SAVE:
+        return b
+    raise CheckpointError(
+        f"conflicting decisions for op {op_name(op)}: {_label(a.opinion)} by {a.source} in "
+        f"region {a.region!r} and {_label(b.opinion)} by {b.source} in region {b.region!r}. "
+        f"Two MUST decisions cannot both hold; make one of them PREFER_* or return None "
+        f"for this op in one of the policies")
+
+
+def ask_policies(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: dict,
+                 output: Any, names: frozenset[str] = frozenset()) -> list[Vote]:
+    """Ask each active region's policy, outermost first; keep the opinions that are not None."""
+    votes: list[Vote] = []
+    path = tuple(f.name for f in frames)
+    for frame in frames:
+        ctx = PolicyContext(op_output=output, region=frame.name, region_path=path, names=names)
+        try:
+            raw = frame.policy(ctx, op, *args, **kwargs)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"the policy of region {frame.name!r} raised {type(e).__name__}: {e} while "
+                f"deciding op {op_name(op)}; fix the policy or return None for ops it does "
+                f"not know") from e
+        opinion = coerce_opinion(raw, op, frame.name)
+        if opinion is not None:
+            # A decision asked again because the output got a label is reported as by name.
+            votes.append(Vote(opinion, frame.name, "name" if names else "policy"))
+    return votes
+
+
+def decide(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: dict, output: Any, *,
+           names: frozenset[str] = frozenset(), tag: Opinion | None = None,
+           tag_region: str | None = None) -> Decision:
+    """The decision for one op: the policies of ``frames`` (outermost first), then the tag."""
+    votes = ask_policies(frames, op, args, kwargs, output, names)
+    if tag is not None:
+        votes.append(Vote(tag, tag_region or (frames[-1].name if frames else "<none>"), "tag"))
+    return resolve_decision(op, votes)
