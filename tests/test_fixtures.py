@@ -138,3 +138,19 @@ def test_interleaved_medians_runs_each():
                             reps=3, warmup=1)
     assert calls.count("a") == calls.count("b") == 4
     assert len(t["a"].samples) == 3 and t["b"].median >= 0
+
+
+def test_demo_measurements_on_the_test_mlp():
+    # The demo's three strategies on the tiny MLP: hand-computed bytes (batch 4, d=16,
+    # hidden 64, fp32, 2 blocks) and identical gradients.
+    from sac_compile.demo import run
+
+    (noac, d0), (tsac, d1), (ours, d2) = run("mlp", "test")
+    assert d0 == d1 == d2 == 0.0
+    per_block_cache = (4 * 64 + 4 * 16) * 4   # the two addmm outputs
+    block_input = head_input = 4 * 16 * 4
+    assert tsac.policy_bytes == ours.policy_bytes == 2 * per_block_cache
+    assert tsac.saved_bytes == 2 * per_block_cache + 2 * block_input + head_input
+    assert ours.saved_bytes <= tsac.saved_bytes
+    assert tsac.recomputed_ops == 2 * 5 and noac.recomputed_ops == 0
+    assert 0 < ours.recomputed_ops <= tsac.recomputed_ops

@@ -1,0 +1,214 @@
+"""Eager overhead of selective activation checkpointing: sac_compile vs torch.utils.checkpoint.
+
+Run with ``make bench`` (or ``python benchmarks/eager_overhead.py``). Everything is measured
+in this one run, strategies interleaved round-robin, medians reported as ratios.
+
+1. Per-op overhead on two 16-element chains of 1000 steps, recompute-everything policy:
+   A: ``x = x*1.0001 + 0.0001`` (nothing needs recomputing), B: ``x = (x*1.0001).sin()``
+   (every ``sin`` input is recomputed). Forward+backward timed; overhead per op =
+   median over rounds of (t_strategy - t_noAC) / (ATen ops in the chain's forward).
+   Target: ours <= 0.5x torch's.
+2. The 8-layer MLP fixture (64x1024, 1024->4096->1024, LayerNorm) with every block
+   checkpointed saving matmuls (torch: mm/addmm/bmm/baddbmm and SDPA ops; ours
+   ``policy="save_matmuls"``): step time / no-AC (target <= 1.05) and activation bytes kept
+   (target <= torch SAC's), measured as in ``sac_compile.demo``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import time
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fixtures import make_model  # noqa: E402
+from fixtures.measure import (TORCH_SAVE_MATMUL_OPS, count_aten_ops, fmt_bytes,  # noqa: E402
+                              interleaved_medians, measure_noac, measure_torch_sac, paired,
+                              torch_sac_blocks, TorchSAC)
+from fixtures.models import _clear_grads, loss_fn, max_grad_diff  # noqa: E402
+
+try:
+    import sac_compile
+    from sac_compile.demo import measure_ours, ours_blocks
+    OURS_ERROR = None
+except Exception as e:  # the benchmark still measures the upstream side
+    sac_compile = None
+    OURS_ERROR = f"{type(e).__name__}: {e}"
+
+N_STEPS = 1000
+CHAIN_TARGET = 0.5     # ours per-op overhead / torch SAC's
+MLP_TIME_TARGET = 1.05  # ours step time / no-AC
+
+
+def chain_a(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(N_STEPS):
+        x = x * 1.0001 + 0.0001
+    return x
+
+
+def chain_b(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(N_STEPS):
+        x = (x * 1.0001).sin()
+    return x
+
+
+def _torch_recompute_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def bench_chains(reps: int) -> list[list[str]]:
+    rows = []
+    x = torch.randn(16, requires_grad=True)
+    torch_ctx = partial(create_selective_checkpoint_contexts, _torch_recompute_all)
+    for label, chain in (("A: x*1.0001+0.0001", chain_a), ("B: (x*1.0001).sin()", chain_b)):
+        n_ops = sum(count_aten_ops(chain, x).values())
+        fns = {
+            "noac": lambda: chain(x).sum().backward(),
+            "torch": lambda: checkpoint(chain, x, use_reentrant=False,
+                                        context_fn=torch_ctx).sum().backward(),
+        }
+        if sac_compile is not None:
+            fns["ours"] = lambda: sac_compile.checkpoint(chain, x, policy="recompute_all"
+                                                         ).sum().backward()
+        timings = interleaved_medians(fns, reps=reps, warmup=2)
+        t = {k: v.median for k, v in timings.items()}
+        per_op = {k: paired(timings, k, "noac", lambda a, b: a - b) / n_ops
+                  for k in fns if k != "noac"}
+        ratio = per_op["ours"] / per_op["torch"] if "ours" in per_op else None
+        rows.append([
+            f"{label} x{N_STEPS} ({n_ops} ops)",
+            f"{t['noac'] * 1e3:.1f}",
+            f"{per_op['torch'] * 1e6:.2f}",
+            f"{per_op['ours'] * 1e6:.2f}" if "ours" in per_op else "n/a",
+            f"{ratio:.2f}" if ratio is not None else "n/a",
+            f"<= {CHAIN_TARGET}",
+            _verdict(None if ratio is None else ratio <= CHAIN_TARGET),
+        ])
+        x.grad = None
+    return rows
+
+
+def bench_mlp(reps: int, budget_s: float) -> tuple[list[list[str]], list[list[str]]]:
+    model, inputs = make_model("mlp", size="bench", seed=0)
+
+    # Gradients accumulate across timed steps (no zeroing) for every strategy alike: freeing
+    # and reallocating 256 MiB of grads each step made the timings bimodal on this machine.
+    def step(ctx_factory):
+        def run():
+            with ctx_factory():
+                out = loss_fn(model(*inputs))
+            out.backward()
+        return run
+
+    fns = {"noac": step(contextlib.nullcontext),
+           "torch": step(lambda: torch_sac_blocks(model, TorchSAC(TORCH_SAVE_MATMUL_OPS)))}
+    if sac_compile is not None:
+        fns["ours"] = step(lambda: ours_blocks(model, "save_matmuls"))
+    _clear_grads(model, inputs)
+    timings = interleaved_medians(fns, reps=reps, warmup=1, budget_s=budget_s)
+    t = {k: v.median for k, v in timings.items()}
+    ratio = {k: paired(timings, k, "noac") for k in t}
+    n = len(timings["noac"].samples)
+    _clear_grads(model, inputs)
+
+    noac = measure_noac(model, inputs, seed=0)
+    tsac = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=0,
+                             strategy="torch SAC (save matmuls)")
+    ours = (measure_ours(model, inputs, "save_matmuls", seed=0,
+                         strategy="sac_compile (save_matmuls)") if sac_compile else None)
+    _clear_grads(model, inputs)
+
+    time_rows = [["no AC", f"{t['noac'] * 1e3:.0f}", "1.00", "", ""],
+                 ["torch SAC (save matmuls)", f"{t['torch'] * 1e3:.0f}",
+                  f"{ratio['torch']:.3f}", "", ""]]
+    if "ours" in t:
+        r = ratio["ours"]
+        time_rows.append(["sac_compile (save_matmuls)", f"{t['ours'] * 1e3:.0f}", f"{r:.3f}",
+                          f"<= {MLP_TIME_TARGET}", _verdict(r <= MLP_TIME_TARGET)])
+    else:
+        time_rows.append(["sac_compile (save_matmuls)", "n/a", "n/a", f"<= {MLP_TIME_TARGET}",
+                          "n/a"])
+
+    byte_rows = []
+    for r in (noac, tsac, ours):
+        if r is None:
+            byte_rows.append(["sac_compile (save_matmuls)", "n/a", "n/a", "n/a", "n/a", "", "n/a"])
+            continue
+        is_ours = r is ours
+        target = ""
+        verdict = ""
+        if is_ours:
+            target = "<= torch SAC"
+            verdict = _verdict(r.saved_bytes <= tsac.saved_bytes
+                               and r.policy_bytes <= tsac.policy_bytes)
+        byte_rows.append([
+            r.strategy,
+            fmt_bytes(r.saved_bytes),
+            fmt_bytes(r.policy_bytes) if r.policy_bytes is not None else "-",
+            str(r.recomputed_ops),
+            f"{max_grad_diff(noac.grads, r.grads):.1e}",
+            target, verdict,
+        ])
+    return time_rows, byte_rows, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chain-reps", type=int, default=21)
+    parser.add_argument("--mlp-reps", type=int, default=15)
+    parser.add_argument("--mlp-budget-s", type=float, default=90.0,
+                        help="stop MLP rounds early (after 3) once this much time is spent")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    print(f"sac_compile eager overhead benchmark — torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}")
+    if OURS_ERROR:
+        print(f"sac_compile unavailable, its rows are n/a: {OURS_ERROR}")
+
+    print("\n1. Per-op overhead vs no checkpointing, recompute-everything policy, 16 elements, "
+          "forward+backward")
+    print(_table(bench_chains(args.chain_reps),
+                 ["chain", "no-AC ms", "torch SAC us/op", "ours us/op", "ours/torch", "target",
+                  "result"]))
+
+    print("\n2. 8-layer MLP [64x1024, 1024->4096->1024, LayerNorm], every block checkpointed, "
+          "save matmuls")
+    time_rows, byte_rows, rounds = bench_mlp(args.mlp_reps, args.mlp_budget_s)
+    print(_table(time_rows, ["strategy", "step ms", "vs no AC", "target", "result"]))
+    print(f"step: forward+backward; ms: median of {rounds} interleaved rounds; vs no AC: "
+          f"median of the per-round ratios.")
+    print()
+    print(_table(byte_rows, ["strategy", "activations kept", "policy-saved", "recomputed ops",
+                             "max |grad diff|", "target", "result"]))
+    print("activations kept: unique storages held for backward after forward, parameters "
+          "excluded, block inputs included for both checkpointing strategies; policy-saved: "
+          "torch SAC's cache / sac_compile's collect_stats().saved_bytes.")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
