@@ -1,0 +1,61 @@
+"""``torch.compile`` backends that partition with :class:`SACPartitioner`.
+
+* ``compiler="inductor"``: Inductor's ``compile_fx`` with ``custom_partitioner_fn`` set, so
+  all of Inductor's joint-graph passes (RNG seeding, pattern matching) run first.
+* ``compiler="aot_eager"``: AOTAutograd with our partitioner and no code generation.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..report import PartitionReport
+from .partition import SACPartitioner
+
+__all__ = ["make_backend", "sac_backend"]
+
+
+def make_backend(*, compiler: str = "inductor", memory_budget: float | None = None,
+                 solver: str | None = None,
+                 on_partition: Callable[[PartitionReport], Any] | None = None,
+                 **partitioner_options: Any) -> Callable[..., Any]:
+    """A backend for ``torch.compile(model, backend=...)``; see the module docstring."""
+    partitioner = SACPartitioner(solver=solver, memory_budget=memory_budget,
+                                 on_partition=on_partition, **partitioner_options)
+    if compiler == "inductor":
+        def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs,
+                              config_patches={"custom_partitioner_fn": partitioner})
+
+        backend = sac_inductor
+    elif compiler == "aot_eager":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            return make_boxed_func(gm.forward)
+
+        backend = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
+                               partition_fn=partitioner)
+        backend.__name__ = "sac_aot_eager"  # type: ignore[attr-defined]
+    else:
+        raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {compiler!r}")
+    backend.partitioner = partitioner  # type: ignore[attr-defined]
+    return backend
+
+
+def sac_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Inductor with the SAC partitioner: ``torch.compile(model, backend=sac_backend)``."""
+    return _default()(gm, example_inputs)
+
+
+_DEFAULT: list[Callable[..., Any]] = []
+
+
+def _default() -> Callable[..., Any]:
+    if not _DEFAULT:
+        _DEFAULT.append(make_backend())
+    return _DEFAULT[0]

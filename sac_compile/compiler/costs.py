@@ -1,0 +1,96 @@
+"""What one FX node costs: bytes to keep its output, FLOPs and memory traffic to recompute it.
+
+FLOPs come from ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention);
+ops it does not know are memory-bound, and cost the bytes they read and write.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import py_sym_types
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "is_sym", "op_label"]
+
+
+def _tensor_bytes(t: Any) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    numel = t.numel()
+    if not isinstance(numel, int):
+        numel = torch.fx.experimental.symbolic_shapes.optimization_hint(numel, fallback=4096)
+    return int(numel) * t.dtype.itemsize
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of the node's output (a SymInt counts as 1 byte; tuples sum their tensors)."""
+    val = node.meta.get("val")
+    if isinstance(val, py_sym_types):
+        return 1
+    if isinstance(val, torch.Tensor):
+        return _tensor_bytes(val)
+    if isinstance(val, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in val)
+    return 0
+
+
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def flops(node: fx.Node) -> int:
+    """FLOPs by ``torch.utils.flop_counter`` rules; 0 for ops it has no formula for."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if node.op != "call_function" or packet not in flop_registry:
+        return 0
+    args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
+    try:
+        return int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that cannot handle symbolic or unusual arguments
+        return 0
+
+
+def traffic(node: fx.Node) -> int:
+    """Bytes read and written when the node runs (its tensor inputs and its output)."""
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return 0
+    read = 0
+    for a in pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(a, fx.Node):
+            read += nbytes(a)
+    return read + nbytes(node)
+
+
+def is_view(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target is torch.ops.aten.detach.default or target is torch.ops.aten.alias.default:
+        return True
+    return bool(target.is_view)
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
+def op_label(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.target is operator.getitem:
+        base = node.args[0]
+        return f"{op_label(base)}[{node.args[1]}]" if isinstance(base, fx.Node) else "getitem"
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), py_sym_types)

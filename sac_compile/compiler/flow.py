@@ -1,0 +1,336 @@
+"""The flow network and its minimum cut.
+
+Formulation (one screen)
+------------------------
+Every forward-side node ``v`` (inputs, forward ops, and ops that only feed backward but
+need no tangent) becomes two vertices ``v_in -> v_out``. After the cut, the source side
+``S`` is what the forward computes; the sink side ``T`` is what the backward must have.
+
+* ``v_in -> v_out``, capacity ``save(v)``: cut when ``v`` is computed in forward and needed
+  in backward, i.e. **saved**. ``save(v)`` = bytes of ``v``'s output (0 for parameters).
+* ``source -> v_in``, capacity ``recompute(v)``: cut when ``v_in`` is on the sink side, i.e.
+  ``v`` is **recomputed** in backward.
+* ``u_out -> v_in`` (infinite) for each data edge: what ``v`` needs must be there too.
+* ``v_out -> sink`` (infinite) when a backward op (anything depending on a tangent) uses ``v``.
+
+The cut minimises::
+
+    saved bytes  +  sum over recomputed v of  w * (FLOPs(v) / flops_per_byte + traffic(v))
+
+FLOPs by ``torch.utils.flop_counter`` rules, ``traffic`` = bytes read + written (for ops
+without a FLOP formula this is the whole cost), ``w = recompute_weight``. Decisions enter as:
+
+===================  ===============================  =========================
+decision             ``save(v)``                      ``recompute(v)``
+===================  ===============================  =========================
+MUST_SAVE / offload  bytes                            infinite (hard)
+MUST_RECOMPUTE       infinite (hard)                  discount * cost
+PREFER_RECOMPUTE     bytes                            discount * cost
+PREFER_SAVE          bytes                            cost
+untagged             bytes                            cost, or infinite where
+                                                      upstream bans recompute
+===================  ===============================  =========================
+
+``discount`` (default 0.01) makes PREFER_RECOMPUTE cheap to honour: the solver saves such
+a node only when that saves bytes (its recompute would need a larger input kept). A
+PREFER_SAVE node is recomputed only when that is cheaper than its bytes (a view or a
+cheap pointwise op of something saved anyway). Views and ``getitem``s cost nothing to
+recompute; inputs cannot be recomputed; random ops only with RNG functionalisation;
+collectives and effectful ops never unless MUST_RECOMPUTE.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..policy import CheckpointPolicy
+from . import costs
+
+__all__ = ["CostModel", "FlowNetwork", "Classification", "classify", "build_flow_network",
+           "solve", "SOLVERS"]
+
+INF = math.inf
+P = CheckpointPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Weights of the objective; part of :meth:`SACPartitioner.uuid`."""
+
+    recompute_weight: float = 0.25
+    flops_per_byte: float = 64.0
+    prefer_recompute_discount: float = 0.01
+
+    def recompute_cost(self, node: fx.Node) -> float:
+        return self.recompute_weight * (costs.flops(node) / self.flops_per_byte
+                                        + costs.traffic(node))
+
+
+@dataclasses.dataclass
+class Classification:
+    """Which joint-graph nodes belong to the forward side and which the backward needs."""
+
+    nodes: list[fx.Node]                # forward-side nodes, graph order
+    index: dict[fx.Node, int]
+    required_fw: set[fx.Node]           # needed to produce the forward outputs
+    backward: set[fx.Node]              # depend on a tangent (or must run in backward)
+    needed_in_bw: set[fx.Node]          # forward-side nodes a backward node uses
+    fwd_outputs: list[Any]
+    bwd_outputs: list[Any]
+    mutated_inputs: set[fx.Node] = dataclasses.field(default_factory=set)
+
+
+def _is_primal(n: fx.Node) -> bool:
+    return n.op == "placeholder" and "tangents" not in str(n.target) and \
+        not str(n.target).startswith("bwd_")
+
+
+def classify(gm: fx.GraphModule, num_fwd_outputs: int) -> Classification:
+    from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _must_be_in_backward
+
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+    fwd_outputs, bwd_outputs, fwd_descs, _ = _extract_fwd_bwd_outputs(
+        gm, num_fwd_outputs=num_fwd_outputs)
+    # Inputs the forward mutates hold other values by backward time: never saved as such.
+    mutated_descs = [d.mutated_input for d in fwd_descs if isinstance(d, InputMutationAOTOutput)]
+    mutated = {n for n in gm.graph.find_nodes(op="placeholder")
+               if n.meta.get("desc") is not None and n.meta["desc"] in mutated_descs}
+    backward: set[fx.Node] = set()
+    nodes: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if (n.op == "placeholder" and not _is_primal(n)) or _must_be_in_backward(n) or \
+                any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+        else:
+            nodes.append(n)
+    required_fw: set[fx.Node] = set()
+    stack = [o for o in fwd_outputs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in required_fw:
+            continue
+        required_fw.add(n)
+        stack.extend(n.all_input_nodes)
+    needed = {n for n in nodes if any(u in backward for u in n.users)}
+    needed.update(o for o in bwd_outputs if isinstance(o, fx.Node) and o not in backward)
+    return Classification(nodes, {n: i for i, n in enumerate(nodes)}, required_fw, backward,
+                          needed, fwd_outputs, bwd_outputs, mutated)
+
+
+@dataclasses.dataclass
+class FlowNetwork:
+    """Vertices ``2i`` (in) and ``2i+1`` (out) for ``nodes[i]``; then source, sink."""
+
+    cls: Classification
+    edges: list[tuple[int, int, float]]
+    save_cost: list[float]
+    recompute_cost: list[float]
+    ban_reason: dict[fx.Node, str]
+
+    @property
+    def source(self) -> int:
+        return 2 * len(self.cls.nodes)
+
+    @property
+    def sink(self) -> int:
+        return 2 * len(self.cls.nodes) + 1
+
+
+def _upstream_ban(node: fx.Node, op_types: Any) -> str | None:
+    """Upstream's default reasons not to recompute an untagged op."""
+    if costs.is_view(node) or node.target is operator.getitem:
+        return None
+    if op_types.is_random(node) or costs.is_random(node):
+        return "random op"
+    if op_types.is_compute_intensive(node):
+        return "compute intensive op"
+    if not op_types.is_recomputable(node):
+        return "not in upstream's recomputable allowlist"
+    ins = sum(costs.nbytes(a) for a in node.args if isinstance(a, fx.Node))
+    if costs.nbytes(node) * 4 < ins:
+        return "reduction op"
+    return None
+
+
+def _effectful_reason(node: fx.Node) -> str | None:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional":
+        return "collective"
+    from torch._functorch._aot_autograd.utils import is_with_effects
+    if is_with_effects(node):
+        return "effectful op"
+    base = node.args[0] if target is operator.getitem and node.args else None
+    if isinstance(base, fx.Node) and is_with_effects(base):
+        return "effectful op"
+    return None
+
+
+def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel, *,
+                       static_inputs: set[fx.Node], rng_functionalized: bool) -> FlowNetwork:
+    from torch._functorch.partitioners import _must_be_in_forward, get_default_op_list
+
+    op_types = get_default_op_list()
+    index = cls.index
+    source, sink = 2 * len(cls.nodes), 2 * len(cls.nodes) + 1
+    edges: list[tuple[int, int, float]] = []
+    save_cost: list[float] = []
+    recompute_cost: list[float] = []
+    bans: dict[fx.Node, str] = {}
+    for i, v in enumerate(cls.nodes):
+        dec = v.meta.get("sac_decision")
+        policy = dec.policy if dec is not None else None
+        val = v.meta.get("val")
+        # -- saving v
+        if policy is P.MUST_RECOMPUTE or v in cls.mutated_inputs:
+            save = INF
+        elif v in static_inputs:
+            save = 0.0
+        elif isinstance(val, torch.Tensor) or costs.is_sym(v):
+            save = float(costs.nbytes(v))
+        else:
+            save = INF  # a tuple, or no value: only its getitems can be saved
+        # -- recomputing v
+        reason = None
+        if v.op == "placeholder":
+            reason = "graph input"
+        elif v.op != "call_function":
+            reason = None
+        elif policy is not None and policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD):
+            reason = f"{dec.label} by {dec.source}"
+        elif _must_be_in_forward(v):
+            reason = "must run in forward"
+        elif policy is not P.MUST_RECOMPUTE and _effectful_reason(v):
+            reason = _effectful_reason(v)
+        elif costs.is_random(v) and not rng_functionalized:
+            reason = "random op (RNG not functionalised)"
+        elif policy is None:
+            reason = _upstream_ban(v, op_types)
+        if reason is not None and v.op != "get_attr":
+            bans[v] = reason
+            rec = INF
+        elif v.op != "call_function" or v not in cls.required_fw or \
+                v.target is operator.getitem or costs.is_view(v):
+            rec = 0.0
+        else:
+            rec = cost.recompute_cost(v)
+            if policy in (P.PREFER_RECOMPUTE, P.MUST_RECOMPUTE):
+                rec *= cost.prefer_recompute_discount
+        save_cost.append(save)
+        recompute_cost.append(rec)
+        vin, vout = 2 * i, 2 * i + 1
+        edges.append((vin, vout, save))
+        if rec > 0:
+            edges.append((source, vin, rec))
+        for u in v.users:
+            j = index.get(u)
+            if j is not None:
+                edges.append((vout, 2 * j, INF))
+        if v in cls.needed_in_bw:
+            edges.append((vout, sink, INF))
+    return FlowNetwork(cls, edges, save_cost, recompute_cost, bans)
+
+
+# --------------------------------------------------------------------------------------
+# Solvers: each returns the set of vertices on the source side of a minimum cut.
+# --------------------------------------------------------------------------------------
+
+class InfeasibleCut(RuntimeError):
+    pass
+
+
+def _solve_networkx(n_vertices: int, edges: Sequence[tuple[int, int, float]], s: int,
+                    t: int) -> set[int]:
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n_vertices))
+    for u, v, c in edges:
+        if g.has_edge(u, v):
+            old = g[u][v].get("capacity", INF)
+            g[u][v]["capacity"] = old + c
+        elif c == INF:
+            g.add_edge(u, v)
+        else:
+            g.add_edge(u, v, capacity=c)
+    try:
+        _, (reachable, _) = nx.minimum_cut(g, s, t)
+    except nx.NetworkXUnbounded as e:
+        raise InfeasibleCut(str(e)) from e
+    return set(reachable)
+
+
+def _solve_scipy(n_vertices: int, edges: Sequence[tuple[int, int, float]], s: int,
+                 t: int) -> set[int]:
+    import numpy as np
+    from scipy.sparse import csr_array
+    from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+    finite = [c for _, _, c in edges if c != INF]
+    total = sum(finite) or 1.0
+    # Integer capacities below 2**30: one unit is ``quantum`` of the objective; an
+    # infinite edge is worth more than all finite ones together.
+    big = 2 ** 30
+    quantum = max(total / (big // 4), 1e-9)
+    inf_cap = big
+    rows = np.fromiter((u for u, _, _ in edges), dtype=np.int32, count=len(edges))
+    cols = np.fromiter((v for _, v, _ in edges), dtype=np.int32, count=len(edges))
+    caps = np.fromiter((inf_cap if c == INF else max(int(round(c / quantum)), 0)
+                        for _, _, c in edges), dtype=np.int64, count=len(edges))
+    keep = (caps > 0) & (rows != cols)
+    mat = csr_array((caps[keep], (rows[keep], cols[keep])), shape=(n_vertices, n_vertices))
+    mat.sum_duplicates()
+    mat.data = np.minimum(mat.data, inf_cap).astype(np.int32)
+    res = maximum_flow(mat, s, t, method="dinic")
+    if res.flow_value >= inf_cap or res.flow_value < 0:
+        raise InfeasibleCut("every cut crosses an infinite edge")
+    flow = res.flow
+    residual = (mat.astype(np.int64) - flow.astype(np.int64)).tocsr()
+    residual.data = np.where(residual.data > 0, 1, 0).astype(np.int8)
+    residual.eliminate_zeros()
+    order = breadth_first_order(residual, s, directed=True, return_predecessors=False)
+    return set(order.tolist())
+
+
+SOLVERS = {"networkx": _solve_networkx, "scipy": _solve_scipy}
+
+
+def default_solver() -> str:
+    try:
+        import scipy.sparse.csgraph  # noqa: F401
+        return "scipy"
+    except ImportError:
+        return "networkx"
+
+
+def solve(net: FlowNetwork, solver: str | None = None) -> tuple[list[fx.Node], float]:
+    """The saved nodes of a minimum cut (graph order) and the solve time in seconds."""
+    name = solver or default_solver()
+    fn = SOLVERS[name]
+    t0 = time.perf_counter()
+    try:
+        source_side = fn(net.sink + 1, net.edges, net.source, net.sink)
+    except InfeasibleCut as e:
+        raise RuntimeError(_explain_infeasible(net)) from e
+    elapsed = time.perf_counter() - t0
+    saved = [v for i, v in enumerate(net.cls.nodes)
+             if 2 * i in source_side and 2 * i + 1 not in source_side]
+    return saved, elapsed
+
+
+def _explain_infeasible(net: FlowNetwork) -> str:
+    stuck = [v for v in net.cls.nodes if v in net.cls.needed_in_bw and v in net.ban_reason
+             and net.save_cost[net.cls.index[v]] == INF]
+    names = ", ".join(f"{v.name} ({costs.op_label(v)}: {net.ban_reason[v]})" for v in stuck[:5])
+    return ("sac_compile: no valid forward/backward split: a value the backward needs can be "
+            "neither saved nor recomputed (e.g. MUST_RECOMPUTE on an op whose inputs cannot "
+            f"be recomputed or saved). Nodes involved: {names or 'see the joint graph'}")

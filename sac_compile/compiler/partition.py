@@ -1,0 +1,202 @@
+"""``SACPartitioner``: the joint graph's forward/backward split from SAC decisions.
+
+Pipeline: dead-code elimination (and CSE, as upstream) -> :func:`.normalize.normalize_tags`
+-> :func:`.flow.classify` -> :func:`.flow.build_flow_network` -> :func:`.flow.solve` ->
+torch's ``_extract_fwd_bwd_modules`` (no graph surgery of our own) -> torch's RNG
+functionalisation when a random op is recomputed -> the :class:`~sac_compile.report.PartitionReport`.
+
+A joint graph without any region tag is handed to upstream's
+``min_cut_rematerialization_partition`` unchanged: untagged code keeps upstream's behaviour.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from ..policy import CheckpointPolicy
+from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
+from . import costs
+from .flow import CostModel, build_flow_network, classify, default_solver, solve
+from .normalize import normalize_tags
+from .tagging import META_KEYS
+
+__all__ = ["SACPartitioner"]
+
+log = logging.getLogger("sac_compile")
+P = CheckpointPolicy
+_HASHED_MODULES = ("tagging", "normalize", "costs", "flow", "partition")
+
+
+def _code_hash() -> str:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from .. import policy
+    from . import costs as m_costs, flow as m_flow, normalize as m_norm, tagging as m_tag
+    files = [inspect.getfile(m) for m in (policy, m_costs, m_flow, m_norm, m_tag)]
+    files.append(__file__)
+    return get_hash_for_files(tuple(files)).hex()
+
+
+class SACPartitioner(CustomPartitionerFn):
+    """Partition a joint graph by its SAC tags with a min-cut.
+
+    ``solver``: ``"scipy"`` (compiled Dinic, the default when scipy is installed) or
+    ``"networkx"``. ``cost_model``: the objective's weights. ``on_partition(report)``: called
+    once per split. ``cse``: run torch's FX CSE first, as upstream does.
+    """
+
+    def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
+                 memory_budget: float | None = None,
+                 on_partition: Callable[[PartitionReport], Any] | None = None,
+                 cse: bool = True, delegate_untagged: bool = True) -> None:
+        if solver not in (None, "scipy", "networkx"):
+            raise ValueError(f"solver must be 'scipy', 'networkx' or None, got {solver!r}")
+        if memory_budget is not None:
+            raise NotImplementedError("memory_budget is planned for the next issue")
+        self.solver = solver or default_solver()
+        self.cost_model = cost_model or CostModel()
+        self.on_partition = on_partition
+        self.cse = cse
+        self.delegate_untagged = delegate_untagged
+        self.last_report: PartitionReport | None = None
+
+    # -- CustomPartitionerFn -----------------------------------------------------------
+    def uuid(self) -> str:
+        options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged))
+        return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
+                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        num_fwd_outputs: int = kwargs["num_fwd_outputs"]
+        static_idx = kwargs.get("static_lifetime_input_indices") or []
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            timings[name] = timings.get(name, 0.0) + now - t
+            t = now
+
+        gm.graph.eliminate_dead_code()
+        if self.cse:
+            from torch._functorch.compile_utils import fx_graph_cse
+            gm.graph = fx_graph_cse(gm.graph)
+        gm.recompile()
+        lap("cse")
+        counts = normalize_tags(gm)
+        lap("normalize")
+        report = PartitionReport(mode="compile", solver=self.solver)
+        tagged = any("sac_decision" in n.meta for n in gm.graph.nodes)
+        if not tagged and self.delegate_untagged:
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+            kwargs.setdefault("compiler", "inductor")
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            lap("upstream")
+            report.solver = "upstream"
+            fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+            recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
+                          and n.name in fw_ops and n.target is not operator.getitem]
+            saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
+            self._finish(report, gm, fw, bw, saved_names, recomputed, timings)
+            return fw, bw
+
+        primals = [n for n in gm.graph.find_nodes(op="placeholder")
+                   if "tangents" not in str(n.target) and not str(n.target).startswith("bwd_")
+                   and not str(n.target).startswith("fwd_")]
+        static = {primals[i] for i in static_idx if i < len(primals)}
+        cls = classify(gm, num_fwd_outputs)
+        net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
+                                 rng_functionalized=True)
+        lap("network")
+        saved, _ = solve(net, self.solver)
+        lap("solve")
+        fw, bw, saved_names, recomputed = self._extract(gm, saved, static, num_fwd_outputs)
+        lap("extract")
+        if counts.get("markers"):
+            report.notes.append(f"{counts['markers']} tag()/name() markers folded")
+        self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
+        return fw, bw
+
+    # -- steps --------------------------------------------------------------------------
+    def _extract(self, gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
+                 num_fwd_outputs: int):
+        from torch._functorch.partitioners import (
+            _extract_fwd_bwd_modules, functionalize_rng_ops, reordering_to_mimic_autograd_engine)
+        from torch._functorch.compile_utils import raise_getitems
+        from torch.fx.experimental.proxy_tensor import is_sym_node
+        from torch.utils._ordered_set import OrderedSet
+
+        saved_sym = [n for n in saved if is_sym_node(n)]
+        saved_values = [n for n in saved if not is_sym_node(n)]
+        fw, bw = _extract_fwd_bwd_modules(
+            gm, saved_values, saved_sym_nodes=saved_sym, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=OrderedSet(static))
+        fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+        recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
+                      and n.name in fw_names and n.target is not operator.getitem]
+        saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
+        joint = {n.name: n for n in gm.graph.nodes}
+        if any(costs.is_random(joint[name]) for name in recomputed):
+            fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
+        bw = reordering_to_mimic_autograd_engine(bw)
+        return raise_getitems(fw), raise_getitems(bw), saved_names, recomputed
+
+    def _finish(self, report: PartitionReport, gm: fx.GraphModule, fw: fx.GraphModule,
+                bw: fx.GraphModule, saved_names: list[str], recomputed: list[str],
+                timings: dict[str, float], *, static: set[fx.Node] = frozenset()) -> None:
+        joint = {n.name: n for n in gm.graph.nodes}
+        saved = [joint[name] for name in saved_names
+                 if name in joint and "tangents" not in name and not costs.is_sym(joint[name])]
+        names = set(saved_names)
+        for node in saved:
+            report.saved.append(SavedTensorRecord(
+                node.name, costs.op_label(node), costs.nbytes(node),
+                _reason(node, node in static, names), is_input=node.op == "placeholder"))
+        report.recomputed = [costs.op_label(joint[name]) for name in recomputed]
+        report.recompute_flops = sum(costs.flops(joint[name]) for name in recomputed)
+        report.timings = timings
+        for mod in (fw, bw):
+            for n in mod.graph.nodes:
+                for key in META_KEYS:
+                    n.meta.pop(key, None)
+        self.last_report = report
+        if self.on_partition is not None:
+            self.on_partition(report)
+        log.debug("%s", report)
+
+
+def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> str:
+    if node.op == "placeholder":
+        return "parameter (input)" if is_static else "input"
+    base = node.args[0] if node.target is operator.getitem else node
+    dec = node.meta.get("sac_decision")
+    if dec is None:
+        return "min-cut"
+    if dec.policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD, P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD):
+        reason = dec.reason()
+        if dec.hooks is not None:
+            reason += " (hooks not applied under compile: saved as is)"
+        if dec.offloads:
+            reason += " (kept on device under compile)"
+        return reason
+    # A recompute decision overridden by the cut.
+    inputs = [a for a in base.all_input_nodes if a.name not in saved_names]
+    alt = sum(costs.nbytes(a) for a in inputs)
+    size = fmt_bytes(costs.nbytes(node))
+    if alt > costs.nbytes(node):
+        return (f"{dec.label} overridden: saving {size} is cheaper than recomputing from "
+                f"{fmt_bytes(alt)}")
+    if alt:
+        return (f"{dec.label} overridden: saving {size} costs no more than recomputing from "
+                f"{fmt_bytes(alt)}, and saves the recompute")
+    return f"{dec.label} overridden: saving {size} is cheaper than recomputing it"
