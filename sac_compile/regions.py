@@ -91,6 +91,9 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
 def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = "recompute_all",
                **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)`` as a region with ``policy``."""
+    if torch.compiler.is_compiling():  # the policy is normalised where AOTAutograd traces
+        from .compiler import regions_compiled
+        return regions_compiled.checkpoint(fn, args, kwargs, policy, _region_name(fn))
     frame = RegionFrame(_region_name(fn), normalize_policy(policy))
     return run_region(frame, fn, args, kwargs)
 

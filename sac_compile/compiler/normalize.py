@@ -18,6 +18,7 @@ MUST_RECOMPUTE.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import defaultdict
 from typing import Any
@@ -129,11 +130,21 @@ def _normalize(gm: fx.GraphModule) -> dict[str, int]:
                 write_decision(node, *inherited)
                 counts["inherited"] += 1
             continue
-        if is_view(node) and not dec.is_must:
+        if is_view(node) and dec.policy is not CheckpointPolicy.MUST_RECOMPUTE:
             base = node.args[0] if node.args else None
             base_dec = decision_of(base) if isinstance(base, fx.Node) else None
-            if base_dec is not None and base_dec.policy is not dec.policy:
-                write_decision(node, base_dec, base.meta["sac_region_path"])
+            if base_dec is not None and not dec.is_must:
+                dec = base_dec
+            if dec.saves and dec.is_must:
+                # Recomputing a view of its base is free and gives the same tensor: a MUST
+                # save on a view is a PREFER, so the cut keeps one copy of the storage.
+                dec = dataclasses.replace(dec, policy=CheckpointPolicy.PREFER_SAVE, hooks=None)
+            if dec is not decision_of(node):
+                path = base.meta["sac_region_path"] if base_dec is not None \
+                    else node.meta["sac_region_path"]
+                write_decision(node, dec, path)
+                if base_dec is not None:
+                    node.meta["sac_view_of"] = base.meta.get("sac_view_of", base.name)
                 counts["views"] += 1
 
     for node in graph.nodes:

@@ -184,6 +184,8 @@ def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> str:
         return "min-cut"
     if dec.policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD, P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD):
         reason = dec.reason()
+        if "sac_view_of" in node.meta:
+            reason = f"view of {node.meta['sac_view_of']}: {reason}"
         if dec.hooks is not None:
             reason += " (hooks not applied under compile: saved as is)"
         if dec.offloads:

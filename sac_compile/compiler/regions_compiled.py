@@ -25,7 +25,7 @@ import torch
 from ..policy import Opinion, RegionFrame
 from .tagging import encode_opinion, name_op, region_contexts, tag_op
 
-__all__ = ["run_region", "tag", "name", "note_eager_fallback"]
+__all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback"]
 
 log = logging.getLogger("sac_compile")
 _logged: set[str] = set()
@@ -36,8 +36,44 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
     # name and policy travel separately: dynamo guards them as constants (ID_MATCH for the
     # policy), which a RegionFrame built inside traced code could not be.
     context_fn = functools.partial(region_contexts, frame.name, frame.policy)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+    body = functools.partial(_region_body, frame.name, frame.policy, allow_cache_entry_mutation,
+                             fn)
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
                                              context_fn=context_fn, **kwargs)
+
+
+def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:
+    """The region's body. Traced by dynamo, it is just ``fn``. Run eagerly - dynamo broke the
+    graph inside the region and executes the checkpoint call as Python - it runs ``fn``
+    through the eager runtime, whose saved-tensor hooks take over from torch's checkpoint
+    (nothing is left for torch to recompute, so the user's Python runs once)."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    from .. import eager
+    from ..policy import normalize_policy
+    frame = RegionFrame(name, normalize_policy(policy))
+    note_eager_fallback(frame)
+    with eager.eager_region(frame, allow):
+        return fn(*args, **kwargs)
+
+
+def checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any,
+               name: str) -> Any:
+    """``sac_compile.checkpoint`` under compile: the raw policy (a list of ops, a preset
+    name, a function) is a constant dynamo can guard; it is normalised at trace time."""
+    context_fn = functools.partial(policy_contexts, name, policy)
+    body = functools.partial(_region_body, name, policy, False, fn)
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
+                                             context_fn=context_fn, **kwargs)
+
+
+def policy_contexts(name: str, policy: Any) -> Any:
+    from ..policy import normalize_policy
+    return region_contexts(name, normalize_policy(policy))
+
+
+policy_contexts.cache_hash = "sac_compile.policy_contexts"  # type: ignore[attr-defined]
 
 
 def tag(tensor: torch.Tensor, opinion: Opinion) -> torch.Tensor:

@@ -39,7 +39,7 @@ __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
            "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
 
 META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_ask",
-             "sac_region_id")
+             "sac_region_id", "sac_view_of")
 
 _state = threading.local()
 _call_ids = itertools.count()
