@@ -33,7 +33,7 @@ from fixtures import make_model  # noqa: E402
 from fixtures.measure import (TORCH_SAVE_MATMUL_OPS, count_aten_ops, fmt_bytes,  # noqa: E402
                               interleaved_medians, measure_noac, measure_torch_sac, paired,
                               torch_sac_blocks, TorchSAC)
-from fixtures.models import _clear_grads, loss_fn, max_grad_diff  # noqa: E402
+from fixtures.models import clear_grads, loss_fn, max_grad_diff  # noqa: E402
 
 try:
     import sac_compile
@@ -125,19 +125,19 @@ def bench_mlp(reps: int, budget_s: float) -> tuple[list[list[str]], list[list[st
            "torch": step(lambda: torch_sac_blocks(model, TorchSAC(TORCH_SAVE_MATMUL_OPS)))}
     if sac_compile is not None:
         fns["ours"] = step(lambda: ours_blocks(model, "save_matmuls"))
-    _clear_grads(model, inputs)
+    clear_grads(model, inputs)
     timings = interleaved_medians(fns, reps=reps, warmup=1, budget_s=budget_s)
     t = {k: v.median for k, v in timings.items()}
     ratio = {k: paired(timings, k, "noac") for k in t}
     n = len(timings["noac"].samples)
-    _clear_grads(model, inputs)
+    clear_grads(model, inputs)
 
     noac = measure_noac(model, inputs, seed=0)
     tsac = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=0,
                              strategy="torch SAC (save matmuls)")
     ours = (measure_ours(model, inputs, "save_matmuls", seed=0,
                          strategy="sac_compile (save_matmuls)") if sac_compile else None)
-    _clear_grads(model, inputs)
+    clear_grads(model, inputs)
 
     time_rows = [["no AC", f"{t['noac'] * 1e3:.0f}", "1.00", "", ""],
                  ["torch SAC (save matmuls)", f"{t['torch'] * 1e3:.0f}",
@@ -185,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sac_compile eager overhead benchmark — torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5:
+        print(f"warning: 1-minute load average is {load:.2f} before starting; other work on "
+              f"this machine makes the timings noisy (ratios are paired per round to limit it)")
     if OURS_ERROR:
         print(f"sac_compile unavailable, its rows are n/a: {OURS_ERROR}")
 

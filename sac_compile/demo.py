@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ import torch.nn as nn
 from fixtures import make_model
 from fixtures.measure import (SavedBytes, StepResult, TORCH_SAVE_MATMUL_OPS, fmt_bytes,
                               measure_noac, measure_torch_sac, param_storages, wrapped_blocks)
-from fixtures.models import _clear_grads, grads_of, loss_fn, max_grad_diff
+from fixtures.models import clear_grads, grads_of, loss_fn, max_grad_diff
 
 from . import eager
 from .regions import sac_region
@@ -70,7 +70,7 @@ def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", 
         for a in args:
             region_inputs.add(a)
 
-    _clear_grads(model, inputs)
+    clear_grads(model, inputs)
     torch.manual_seed(seed)
     with eager.collect_stats() as stats:
         with ours_blocks(model, policy, record_inputs), SavedBytes(exclude) as outside:
@@ -86,7 +86,7 @@ def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", 
     others.storages.update(outside.storages)
     others.storages.update(region_inputs.storages)
     grads = grads_of(model, inputs)
-    _clear_grads(model, inputs)
+    clear_grads(model, inputs)
     return StepResult(strategy, policy_bytes + others.nbytes, policy_bytes, recomputed, grads)
 
 
