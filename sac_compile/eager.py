@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .policy import (CheckpointError, Decision, Opinion, RegionFrame, SaveWithHooks, decide,
+from .policy import (CheckpointError, Decision, Opinion, RegionFrame, decide, make_decider,
                      op_name)
 
 _NON_DIFF_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -171,7 +171,7 @@ class OutRef:
 
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
-                 "live", "versions", "out_meta", "rng", "packed", "mutated_by", "seq",
+                 "outs", "rng", "packed", "mutated_by", "seq",
                  "names", "tag", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
@@ -185,9 +185,9 @@ class OpNode:
         self.seq = seq
         self.decision: Decision | None = None
         self.value: list[Any] | None = None     # outputs, when saved or recomputed
-        self.live: list[Any] = []               # weakrefs to the forward outputs
-        self.versions: list[int] = []           # their versions when produced
-        self.out_meta: list[Any] = []           # (shape, dtype) per output, for divergence
+        # Per output: (weakref to the forward tensor, its version when produced, shape,
+        # dtype), or None for a non-tensor output.
+        self.outs: list[tuple[Any, int, Any, Any] | None] = []
         self.rng: Any = None                    # (generator, state) for random ops
         self.packed: list[Any] | None = None    # SaveWithHooks / offload storage
         self.mutated_by: str | None = None      # op that mutated a saved output in forward
@@ -243,7 +243,7 @@ class RegionRecorder(TorchDispatchMode):
 
     def __init__(self, frame: RegionFrame, allow_cache_entry_mutation: bool) -> None:
         super().__init__()
-        self.frames: tuple[RegionFrame, ...] = (frame,)
+        self.frames = (frame,)
         self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
                                  tuple(_active_stats()))
         # id(tensor) -> (weakref(tensor), node, output index, expected version)
@@ -255,6 +255,15 @@ class RegionRecorder(TorchDispatchMode):
         self.nodes_recorded = 0
         self.decisions: list[OpNode] = []
         self.suspended = False
+
+    @property
+    def frames(self) -> tuple[RegionFrame, ...]:
+        return self._frames
+
+    @frames.setter
+    def frames(self, frames: tuple[RegionFrame, ...]) -> None:
+        self._frames = frames
+        self.decider = make_decider(frames)
 
     # -- references ---------------------------------------------------------------
 
@@ -290,20 +299,29 @@ class RegionRecorder(TorchDispatchMode):
 
     # -- the mode -------------------------------------------------------------------
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps every __torch_dispatch__ call in a dynamo-disable trampoline unless
+        # told otherwise; that doubles the per-op cost, and this mode never runs while
+        # dynamo traces (compiled regions use the compiler's tagging mode instead).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if self.suspended:
-            return func(*args, **kwargs)
-        info = op_info(func)
+            return func(*args, **(kwargs or {}))
+        info = _OP_INFO.get(func) or op_info(func)
         deps: list[OpNode] = []
         rec_args = tuple([self._convert(a, deps) for a in args])
-        rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()} if kwargs else kwargs
+        if kwargs:
+            rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()}
+        else:
+            kwargs = rec_kwargs = {}
         mutated = [_arg_at(args, kwargs, func, i) for i in info.mutated] if info.mutated else ()
         for m in mutated:
             if isinstance(m, torch.Tensor):
                 self._before_mutation(m, func)
 
-        node = OpNode(func, rec_args, rec_kwargs, tuple(deps), self.frames, self.ctx,
+        node = OpNode(func, rec_args, rec_kwargs, deps, self.frames, self.ctx,
                       self.nodes_recorded)
         self.nodes_recorded += 1
         if info.random:
@@ -311,26 +329,30 @@ class RegionRecorder(TorchDispatchMode):
 
         out = func(*args, **kwargs)
 
-        outputs = _flat_outputs(out)
-        # Arguments mutated but not returned are outputs too: later ops read them.
-        for m in mutated:
-            if isinstance(m, torch.Tensor) and not any(m is o for o in outputs):
-                outputs.append(m)
-        mutated_ids = {id(m) for m in mutated}
-        for i, t in enumerate(outputs):
-            if isinstance(t, torch.Tensor):
-                # The version bump of an in-place op happens after the mode returns.
-                version = t._version + (1 if id(t) in mutated_ids else 0)
-                self.producers[id(t)] = (weakref.ref(t), node, i, version)
-                node.live.append(weakref.ref(t))
-                node.versions.append(version)
-                node.out_meta.append((t.shape, t.dtype))
-            else:
-                node.live.append(None)
-                node.versions.append(None)
-                node.out_meta.append(None)
+        producers = self.producers
+        outs = node.outs
+        if type(out) is torch.Tensor:
+            wr = weakref.ref(out)
+            version = out._version + (1 if mutated and any(m is out for m in mutated) else 0)
+            producers[id(out)] = (wr, node, 0, version)
+            outs.append((wr, version, out.shape, out.dtype))
+        else:
+            outputs = _flat_outputs(out)
+            # Arguments mutated but not returned are outputs too: later ops read them.
+            for m in mutated:
+                if isinstance(m, torch.Tensor) and not any(m is o for o in outputs):
+                    outputs.append(m)
+            for i, t in enumerate(outputs):
+                if isinstance(t, torch.Tensor):
+                    # An in-place op's version bump happens after the mode returns.
+                    version = t._version + (1 if any(m is t for m in mutated) else 0)
+                    wr = weakref.ref(t)
+                    producers[id(t)] = (wr, node, i, version)
+                    outs.append((wr, version, t.shape, t.dtype))
+                else:
+                    outs.append(None)
 
-        self._set_decision(node, decide(self.frames, func, args, kwargs, out))
+        self._set_decision(node, self.decider(func, args, kwargs, out))
         return out
 
     def _before_mutation(self, m: torch.Tensor, func: Any) -> None:
@@ -353,8 +375,8 @@ class RegionRecorder(TorchDispatchMode):
         node.decision = decision
         if decision.saves and not was_saved:
             values = []
-            for ref in node.live:
-                t = ref() if ref is not None else None
+            for facts in node.outs:
+                t = facts[0]() if facts is not None else None
                 values.append(_alias_for_saving(t) if t is not None else None)
             node.value = values
             for v in values:
@@ -378,7 +400,7 @@ class RegionRecorder(TorchDispatchMode):
         if label is not None:
             node.names = node.names | {label}
         args, kwargs = _forward_args(node)
-        out = [r() if r is not None else None for r in node.live]
+        out = [f[0]() if f is not None else None for f in node.outs]
         output = out[0] if len(out) == 1 else tuple(out)
         self.suspended = True
         try:
@@ -526,9 +548,11 @@ def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is not SavedHandle:
         return packed
     node = packed.node
-    with node.ctx.lock:
-        value = _materialize(node)[packed.index]
-    return value
+    value = node.value
+    if value is not None and node.mutated_by is None:
+        return value[packed.index]
+    with node.ctx.lock, torch.no_grad(), _autocast_off():
+        return _materialize(node)[packed.index]
 
 
 def _materialize(target: OpNode) -> list[Any]:
@@ -582,12 +606,12 @@ def _live_forward_outputs(node: OpNode) -> list[Any] | None:
     """The forward's own outputs, if every one is still alive and unmutated: no need to
     recompute what the program still holds."""
     values = []
-    for ref, version in zip(node.live, node.versions):
-        if ref is None:
+    for facts in node.outs:
+        if facts is None:
             values.append(None)
             continue
-        t = ref()
-        if t is None or t._version != version:
+        t = facts[0]()
+        if t is None or t._version != facts[1]:
             return None
         values.append(_alias_for_saving(t))
     return values
@@ -597,9 +621,9 @@ def _restore_packed(node: OpNode) -> list[Any]:
     hooks = node.decision.hooks
     values = []
     for i, p in enumerate(node.packed):
-        if hooks is not None and node.out_meta[i] is not None:
+        if hooks is not None and node.outs[i] is not None:
             v = hooks.unpack(p)
-            shape, dtype = node.out_meta[i]
+            shape, dtype = node.outs[i][2:]
             if not isinstance(v, torch.Tensor) or v.shape != shape or v.dtype != dtype:
                 got = (f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor)
                        else type(v).__name__)
@@ -631,8 +655,8 @@ def _resolve(a: Any) -> Any:
 def _forward_ref(a: Any) -> Any:
     t = type(a)
     if t is OutRef:
-        ref = a.node.live[a.index]
-        return ref() if ref is not None else None
+        facts = a.node.outs[a.index]
+        return facts[0]() if facts is not None else None
     if t is LeafRef:
         return a.value
     if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
@@ -668,23 +692,23 @@ def _replay(node: OpNode) -> list[Any]:
                 if isinstance(kwargs.get(name), torch.Tensor):
                     kwargs[name] = kwargs[name].clone()
         args = tuple(args)
-    with torch.no_grad(), _autocast_off():
-        if node.rng is not None:
-            gen, state = node.rng
-            current = gen.get_state()
-            gen.set_state(state)
-            try:
-                out = node.op(*args, **kwargs)
-            finally:
-                gen.set_state(current)
-        else:
+    if node.rng is not None:
+        gen, state = node.rng
+        current = gen.get_state()
+        gen.set_state(state)
+        try:
             out = node.op(*args, **kwargs)
+        finally:
+            gen.set_state(current)
+    else:
+        out = node.op(*args, **kwargs)
     outputs = _flat_outputs(out)
-    if len(outputs) < len(node.out_meta):
-        outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.out_meta)))
-    for i, (t, meta) in enumerate(zip(outputs, node.out_meta)):
-        if meta is not None and (not isinstance(t, torch.Tensor) or t.shape != meta[0]
-                                 or t.dtype != meta[1]):
+    if len(outputs) < len(node.outs):
+        outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.outs)))
+    for i, (t, facts) in enumerate(zip(outputs, node.outs)):
+        if facts is not None and (not isinstance(t, torch.Tensor) or t.shape != facts[2]
+                                  or t.dtype != facts[3]):
+            meta = facts[2:]
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
             raise CheckpointError(
                 f"recomputing {node.describe()} gave output {i} as {got}, but the forward "

@@ -27,10 +27,10 @@ def _save_all(ctx, op, *args, **kwargs):
     return PREFER_SAVE
 
 
-recompute_all = NamedPolicy(_recompute_all, "recompute_all")
+recompute_all = NamedPolicy(_recompute_all, "recompute_all", PREFER_RECOMPUTE)
 """Recompute everything (PREFER, so an outer MUST still holds): plain activation checkpointing."""
 
-save_all = NamedPolicy(_save_all, "save_all")
+save_all = NamedPolicy(_save_all, "save_all", PREFER_SAVE)
 """Save everything (PREFER: the compiler may still recompute what is cheaper to recompute)."""
 
 

@@ -156,11 +156,13 @@ def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
 class NamedPolicy:
     """A policy function with a readable name (shown in errors, reports and repr)."""
 
-    __slots__ = ("fn", "name", "__weakref__")
+    __slots__ = ("fn", "name", "constant", "__weakref__")
 
-    def __init__(self, fn: PolicyFn, name: str) -> None:
+    def __init__(self, fn: PolicyFn, name: str, constant: Opinion | None = None) -> None:
         self.fn = fn
         self.name = name
+        # The same opinion for every op: lets the runtime skip asking (a hot path).
+        self.constant = constant
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         return self.fn(ctx, op, *args, **kwargs)
@@ -272,20 +274,61 @@ def ask_policies(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: di
     path = tuple(f.name for f in frames)
     for frame in frames:
         ctx = PolicyContext(op_output=output, region=frame.name, region_path=path, names=names)
-        try:
-            raw = frame.policy(ctx, op, *args, **kwargs)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(
-                f"the policy of region {frame.name!r} raised {type(e).__name__}: {e} while "
-                f"deciding op {op_name(op)}; fix the policy or return None for ops it does "
-                f"not know") from e
-        opinion = coerce_opinion(raw, op, frame.name)
+        opinion = coerce_opinion(_ask(frame, ctx, op, args, kwargs), op, frame.name)
         if opinion is not None:
             # A decision asked again because the output got a label is reported as by name.
             votes.append(Vote(opinion, frame.name, "name" if names else "policy"))
     return votes
+
+
+def _ask(frame: RegionFrame, ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        return frame.policy(ctx, op, *args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"the policy of region {frame.name!r} raised {type(e).__name__}: {e} while "
+            f"deciding op {op_name(op)}; fix the policy or return None for ops it does "
+            f"not know") from e
+
+
+Decider = Callable[[Any, tuple, dict, Any], Decision]
+
+
+def make_decider(frames: Sequence[RegionFrame]) -> Decider:
+    """``decide`` specialised to one stack of regions, for the per-op hot path.
+
+    Gives the same decisions as :func:`decide`; it only avoids repeated work: constant
+    presets are resolved once, and a single region's answers map to cached decisions.
+    """
+    frames = tuple(frames)
+    constants = [getattr(f.policy, "constant", None) for f in frames]
+    if frames and all(c is not None for c in constants):
+        fixed = resolve_decision("<any op>", [Vote(c, f.name, "policy")
+                                              for c, f in zip(constants, frames)])
+        return lambda op, args, kwargs, output: fixed
+    if len(frames) != 1:
+        return lambda op, args, kwargs, output: decide(frames, op, args, kwargs, output)
+    frame = frames[0]
+    ctx = PolicyContext(region=frame.name, region_path=(frame.name,))
+    cache: dict[Any, Decision] = {}
+
+    def decide_single(op: Any, args: tuple, kwargs: dict, output: Any) -> Decision:
+        # One context object serves every call: a policy sees it valid during its call.
+        ctx.op_output = output
+        raw = _ask(frame, ctx, op, args, kwargs)
+        try:
+            return cache[raw]
+        except (KeyError, TypeError):
+            pass
+        opinion = coerce_opinion(raw, op, frame.name)
+        decision = resolve_decision(op, [Vote(opinion, frame.name, "policy")]
+                                    if opinion is not None else [])
+        cache[raw] = decision
+        return decision
+
+    return decide_single
 
 
 def decide(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: dict, output: Any, *,
