@@ -38,6 +38,7 @@ class SavedTensorRecord:
     nbytes: int
     reason: str
     is_input: bool = False
+    region: str = ""  # the innermost region that decided it; "" outside every region
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class PartitionReport:
     mode: str = "compile"
     saved: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
     recomputed: list[str] = dataclasses.field(default_factory=list)
+    recomputed_regions: list[str] = dataclasses.field(default_factory=list)  # per recomputed op
     recompute_flops: int = 0
     solver: str = ""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -113,9 +115,10 @@ def explain(fn: Callable[..., Any], *args: Any, mode: str = "eager",
             out = fn(*args, **kwargs)
             _backward_of(out)
         report = PartitionReport(mode="eager")
-        report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason)
+        report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region)
                         for r in stats.saved]
         report.recomputed = list(stats.recomputed_ops)
+        report.recomputed_regions = ["?"] * len(report.recomputed)
         return report
     if mode != "compile":
         raise ValueError(f"explain(mode=...) takes 'eager' or 'compile', got {mode!r}")
@@ -132,6 +135,7 @@ def explain(fn: Callable[..., Any], *args: Any, mode: str = "eager",
     for r in reports:
         merged.saved += r.saved
         merged.recomputed += r.recomputed
+        merged.recomputed_regions += r.recomputed_regions
         merged.recompute_flops += r.recompute_flops
         merged.notes += r.notes
         for k, v in r.timings.items():

@@ -161,8 +161,10 @@ class SACPartitioner(CustomPartitionerFn):
         for node in saved:
             report.saved.append(SavedTensorRecord(
                 node.name, costs.op_label(node), costs.nbytes(node),
-                _reason(node, node in static, names), is_input=node.op == "placeholder"))
+                _reason(node, node in static, names), is_input=node.op == "placeholder",
+                region=_region(node)))
         report.recomputed = [costs.op_label(joint[name]) for name in recomputed]
+        report.recomputed_regions = [_region(joint[name]) for name in recomputed]
         report.recompute_flops = sum(costs.flops(joint[name]) for name in recomputed)
         report.timings = timings
         for mod in (fw, bw):
@@ -173,6 +175,11 @@ class SACPartitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(report)
         log.debug("%s", report)
+
+
+def _region(node: fx.Node) -> str:
+    path = node.meta.get("sac_region_path")
+    return path[-1] if path else ""
 
 
 def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> str:
