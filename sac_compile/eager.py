@@ -750,20 +750,6 @@ def active_recorder() -> RegionRecorder | None:
     return getattr(_ACTIVE, "recorder", None)
 
 
-def region_depth() -> int:
-    """How many regions are active on this thread (recording or not)."""
-    return getattr(_ACTIVE, "depth", 0)
-
-
-@contextlib.contextmanager
-def _counted() -> Iterator[None]:
-    _ACTIVE.depth = region_depth() + 1
-    try:
-        yield
-    finally:
-        _ACTIVE.depth -= 1
-
-
 @contextlib.contextmanager
 def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -> Iterator[None]:
     """Run the body as a region: the outermost one records, nested ones add their policy."""
@@ -772,20 +758,17 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
         outer = recorder.frames
         recorder.frames = outer + (frame,)
         try:
-            with _counted():
-                yield
+            yield
         finally:
             recorder.frames = outer
         return
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        with _counted():
-            yield  # nothing will be saved for backward: a plain forward
+        yield  # nothing will be saved for backward: a plain forward
         return
     recorder = RegionRecorder(frame, allow_cache_entry_mutation)
     _ACTIVE.recorder = recorder
     try:
-        with _counted(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack), \
-                recorder:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack), recorder:
             yield
     finally:
         _ACTIVE.recorder = None

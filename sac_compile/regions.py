@@ -134,12 +134,9 @@ def _redecide(what: str, tensor: torch.Tensor, *, tag: Opinion | None = None,
               label: str | None = None) -> None:
     recorder = eager.active_recorder()
     if recorder is None:
-        if eager.region_depth() > 0:
-            return  # inside a region running as a plain forward (no_grad): nothing to save
-        raise CheckpointError(
-            f"{what} was called outside any sac_region: it applies to a tensor produced by "
-            f"an op inside a region. Call it inside the function decorated with sac_region "
-            f"(or passed to checkpoint)")
+        # Outside any region (or in one running as a plain no_grad forward) nothing is
+        # checkpointed: the same model code runs with and without regions, as in JAX.
+        return
     if not recorder.redecide(tensor, tag=tag, label=label):
         raise CheckpointError(
             f"{what} in region {recorder.frames[-1].name!r} got a tensor that no op of the "
