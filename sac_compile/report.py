@@ -69,8 +69,13 @@ class PartitionReport:
         """Deterministic text: saved values in graph order, recomputed ops counted."""
         lines = [f"saved {fmt_bytes(self.saved_bytes)}, recomputed {len(self.recomputed)} ops "
                  f"({self.recompute_flops} FLOPs)"]
+        params = [r for r in self.saved if r.reason.startswith("parameter")]
+        if params:
+            lines.append(f"  keep {len(params)} parameters ({fmt_bytes(sum(r.nbytes for r in params))}"
+                         f", not counted)")
         for r in self.saved:
-            lines.append(f"  save {r.op} {fmt_bytes(r.nbytes)}: {r.reason}")
+            if r not in params:
+                lines.append(f"  save {r.op} {fmt_bytes(r.nbytes)}: {r.reason}")
         for op, n in sorted(self.recomputed_ops.items()):
             lines.append(f"  recompute {op} x{n}")
         return "\n".join(lines)

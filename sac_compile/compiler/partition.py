@@ -105,7 +105,8 @@ class SACPartitioner(CustomPartitionerFn):
             report.solver = "upstream"
             fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
             recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
-                          and n.name in fw_ops and n.target is not operator.getitem]
+                          and n.name in fw_ops and n.target is not operator.getitem
+                          and not costs.is_sym(n)]
             saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
             self._finish(report, gm, fw, bw, saved_names, recomputed, timings)
             return fw, bw
@@ -143,7 +144,8 @@ class SACPartitioner(CustomPartitionerFn):
             static_lifetime_input_nodes=OrderedSet(static))
         fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
         recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
-                      and n.name in fw_names and n.target is not operator.getitem]
+                      and n.name in fw_names and n.target is not operator.getitem
+                      and not costs.is_sym(n)]
         saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
         joint = {n.name: n for n in gm.graph.nodes}
         if any(costs.is_random(joint[name]) for name in recomputed):
