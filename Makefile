@@ -24,6 +24,7 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/eager_overhead.py
+	@if [ -f benchmarks/partition.py ]; then $(PY) benchmarks/partition.py; fi
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

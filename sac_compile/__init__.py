@@ -1,9 +1,42 @@
 """sac_compile: selective activation checkpointing, one system in eager mode and under
-``torch.compile``. Write a policy once; get the same decisions in both modes."""
+``torch.compile``. Write a policy once; get the same decisions in both modes.
+
+The public surface::
+
+    CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
+    sac_region, checkpoint, tag, name                                  # where they apply
+    policies                                                           # presets that compose
+    sac_backend, make_backend, SACPartitioner                          # torch.compile
+    explain, PartitionReport, SavedTensorRecord                        # what was decided, why
+"""
+from typing import Any
+
 from . import policies
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
 from .regions import checkpoint, name, sac_region, tag
 
+# The compiler side imports torch._dynamo and Inductor: loaded on first use, so eager-only
+# users do not pay for it at import time.
+_LAZY = {
+    "sac_backend": ".compiler",
+    "make_backend": ".compiler",
+    "SACPartitioner": ".compiler",
+    "explain": ".report",
+    "PartitionReport": ".report",
+    "SavedTensorRecord": ".report",
+}
+
+
+def __getattr__(attr: str) -> Any:
+    module = _LAZY.get(attr)
+    if module is None:
+        raise AttributeError(f"module 'sac_compile' has no attribute {attr!r}")
+    import importlib
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[attr] = value
+    return value
+
+
 __all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "checkpoint",
-           "name", "policies", "sac_region", "tag"]
+           "name", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"
