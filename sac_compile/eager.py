@@ -560,30 +560,37 @@ def _materialize(target: OpNode) -> list[Any]:
     if target.value is not None and target.mutated_by is None:
         return target.value
     stack = [target]
+    expanded: set[int] = set()
     while stack:
         node = stack[-1]
         if node.value is not None:
-            _check_not_mutated(node)
+            if node.mutated_by is not None:
+                _check_not_mutated(node)
             stack.pop()
             continue
-        if node.packed is not None:
-            node.value = _restore_packed(node)
-            stack.pop()
-            continue
-        if node.args is None:
-            raise CheckpointError(
-                f"the value of {node.describe()} is no longer available: backward needs it "
-                f"again after it was freed. Pass retain_graph=True to the first backward to "
-                f"run backward twice")
-        reused = _live_forward_outputs(node)
-        if reused is not None:
-            node.value = reused
-            stack.pop()
-            continue
-        missing = [d for d in node.deps if d.value is None or d.mutated_by is not None]
-        if missing:
-            stack.extend(missing)
-            continue
+        if id(node) not in expanded:
+            if node.packed is not None:
+                node.value = _restore_packed(node)
+                stack.pop()
+                continue
+            if node.args is None:
+                raise CheckpointError(
+                    f"the value of {node.describe()} is no longer available: backward needs "
+                    f"it again after it was freed. Pass retain_graph=True to the first "
+                    f"backward to run backward twice")
+            reused = _live_forward_outputs(node)
+            if reused is not None:
+                node.value = reused
+                stack.pop()
+                continue
+            expanded.add(id(node))
+            pushed = False
+            for dep in node.deps:
+                if dep.value is None or dep.mutated_by is not None:
+                    stack.append(dep)
+                    pushed = True
+            if pushed:
+                continue
         stack.pop()
         node.value = _replay(node)
         # The node never needs its inputs again: dropping them frees ancestors whose
@@ -679,8 +686,11 @@ def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
 
 
 def _replay(node: OpNode) -> list[Any]:
-    args, kwargs = _resolve_args(node)
-    info = op_info(node.op)
+    if node.kwargs:
+        args, kwargs = _resolve_args(node)
+    else:
+        args, kwargs = tuple([_resolve(a) for a in node.args]), {}
+    info = _OP_INFO[node.op]
     if info.mutated:
         # Replay writes into copies: saved values, leaves and module buffers stay intact.
         args = list(args)
