@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chain-reps", type=int, default=21)
     parser.add_argument("--mlp-reps", type=int, default=15)
-    parser.add_argument("--mlp-budget-s", type=float, default=90.0,
+    parser.add_argument("--mlp-budget-s", type=float, default=60.0,
                         help="stop MLP rounds early (after 3) once this much time is spent")
     args = parser.parse_args(argv)
 
