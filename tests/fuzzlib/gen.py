@@ -1,0 +1,375 @@
+"""Hypothesis strategies for random small programs over ATen ops with random SAC regions.
+
+A program is rendered to Python source (see :mod:`.harness` for what the source may use).
+Every choice is a hypothesis draw, so a failing program shrinks: fewer statements, shallower
+regions, simpler ops (each list below starts with its simplest entry) and simpler policies.
+
+Values: ``f`` float (4, 8), ``i`` int64 (4,) in [0, 8), ``m`` bool (4, 8). Inputs: x, y (f,
+requiring grad), w (8, 8) and b (8,) parameters, idx (i), and buffers buf, rm, rv updated in
+place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from hypothesis import strategies as st
+
+# (key, input types, output types, template, flags). Templates use {o} (the float/int/bool
+# output), {o2} (a second output), {a} {b} {c} (inputs). Flags: "inplace" (mutates),
+# "random", "notag" (identity of the result is lost to a mutation through a view),
+# "dropout" (F.dropout: eager and compile see different ATen ops).
+OPS: list[tuple[str, str, str, str, frozenset]] = []
+
+
+def _op(key: str, ins: str, outs: str, template: str, *flags: str) -> None:
+    OPS.append((key, ins, outs, template, frozenset(flags)))
+
+
+# pointwise
+_op("sin", "f", "f", "{o} = {a}.sin()")
+_op("mul", "ff", "f", "{o} = {a} * {b}")
+_op("add", "ff", "f", "{o} = {a} + {b}")
+_op("cos", "f", "f", "{o} = {a}.cos()")
+_op("relu", "f", "f", "{o} = torch.relu({a})")
+_op("tanh", "f", "f", "{o} = torch.tanh({a})")
+_op("sigmoid", "f", "f", "{o} = torch.sigmoid({a})")
+_op("gelu", "f", "f", "{o} = F.gelu({a})")
+_op("silu", "f", "f", "{o} = F.silu({a})")
+_op("exp", "f", "f", "{o} = torch.exp({a}.clamp(-4.0, 4.0))")
+_op("affine", "f", "f", "{o} = {a} * 0.5 + 0.25")
+_op("sub", "ff", "f", "{o} = {a} - {b}")
+_op("div", "ff", "f", "{o} = {a} / (1.5 + {b} * {b})")
+_op("maximum", "ff", "f", "{o} = torch.maximum({a}, {b})")
+_op("neg", "f", "f", "{o} = -{a}")
+# matmuls
+_op("mm", "f", "f", "{o} = {a} @ w")
+_op("linear", "f", "f", "{o} = F.linear({a}, w, b)")
+_op("mm3", "fff", "f", "{o} = ({a} @ {b}.t()) @ {c}")
+_op("bmm", "f", "f", "{o} = torch.bmm({a}.reshape(2, 2, 8), w.expand(2, 8, 8)).reshape(4, 8)")
+_op("matmul", "ff", "f", "{o} = torch.matmul({a}, w.t()) + {b}")
+# reductions
+_op("rowsum", "ff", "f", "{o} = {a} * {b}.sum(-1, keepdim=True)")
+_op("center", "f", "f", "{o} = {a} - {a}.mean(0, keepdim=True)")
+_op("softmax", "f", "f", "{o} = torch.softmax({a}, -1)")
+_op("amax", "ff", "f", "{o} = {a}.amax(-1, keepdim=True) * {b}")
+_op("var_mean", "f", "f", "_v, _m = torch.var_mean({a}, -1, keepdim=True)\n"
+                          "{o} = ({a} - _m) / (_v + 1.0)")
+# views
+_op("view_t", "f", "f", "{o} = {a}.reshape(8, 4).t()")
+_op("transpose", "f", "f", "{o} = {a}.unsqueeze(0).transpose(0, 1).squeeze(1)")
+_op("slice_cat", "f", "f", "{o} = torch.cat([{a}[:, 4:], {a}[:, :4]], 1)")
+_op("expand", "ff", "f", "{o} = {a}[:1].expand(4, 8) + {b}")
+_op("select", "ff", "f", "{o} = {b} * {a}[2]")
+# in-place
+_op("add_", "ff", "f", "{o} = {a} * 1.0\n{o}.add_({b})", "inplace")
+_op("mul_", "ff", "f", "{o} = {a}.clone()\n{o}.mul_({b})", "inplace")
+_op("copy_", "ff", "f", "{o} = torch.empty_like({a})\n{o}.copy_({b})\n{o}.mul_({a})", "inplace")
+_op("view_mul_", "ff", "f", "{o} = {a}.clone()\n{o}[:, :4].mul_({b}[:, 4:])", "inplace", "notag")
+_op("relu_", "f", "f", "{o} = {a}.sin()\n{o}.relu_()", "inplace")
+_op("sigmoid_", "f", "f", "{o} = {a} + 0.0\n{o}.sigmoid_()", "inplace")
+# multi-output
+_op("split", "f", "f", "{o} = torch.cat({a}.split(3, -1)[::-1], -1)")
+_op("unbind", "f", "f", "{o} = torch.stack({a}.unbind(0)[::-1])")
+_op("topk", "f", "fi", "_v, _i = {a}.topk(4, -1)\n{o} = torch.cat([_v, _v.flip(-1)], -1)\n"
+                       "{o2} = _i[:, 0]")
+_op("layer_norm", "f", "f", "{o} = F.layer_norm({a}, (8,))")
+_op("layer_norm_affine", "f", "f", "{o} = F.layer_norm({a}, (8,), w[0], b)")
+_op("max_dim", "ff", "f", "_mx, _ = {a}.max(-1, keepdim=True)\n{o} = {b} * _mx")
+_op("sort", "ff", "f", "{o} = {a}.sort(-1).values * {b}")
+# random
+_op("dropout", "f", "f", "{o} = F.dropout({a}, 0.3, training=True)", "random", "dropout")
+_op("native_dropout", "f", "f", "{o} = torch.ops.aten.native_dropout({a}, 0.3, True)[0]",
+    "random")
+_op("rand_like", "f", "f", "{o} = {a} * torch.rand_like({a})", "random")
+_op("randn_like", "f", "f", "{o} = {a} + 0.1 * torch.randn_like({a})", "random")
+_op("bernoulli", "f", "f", "{o} = {a} * torch.bernoulli(torch.full_like({a}, 0.5))", "random")
+# integer and bool tensors
+_op("argmax", "f", "i", "{o} = {a}.argmax(-1)")
+_op("index_select", "fi", "f", "{o} = w.index_select(0, {b}) * {a}")
+_op("embedding", "if", "f", "{o} = F.embedding({a}, w) + {b}")
+_op("gather", "fi", "f", "{o} = {a}.gather(1, {b}.unsqueeze(1).expand(4, 8))")
+_op("int_arith", "i", "i", "{o} = ({a} + 3) % 8")
+_op("mask", "f", "m", "{o} = {a} > 0")
+_op("where", "mff", "f", "{o} = torch.where({a}, {b}, {c})")
+_op("masked_fill", "fm", "f", "{o} = {a}.masked_fill({b}, 0.0)")
+_op("mul_mask", "fm", "f", "{o} = {a} * {b}")
+# a parameter with buffers updated in place
+_op("buf_update", "f", "", "buf.mul_(0.9).add_({a}.detach().mean(0), alpha=0.1)", "inplace")
+_op("buf_read", "f", "f", "{o} = {a} + buf")
+_op("batch_norm", "f", "f", "{o} = F.batch_norm({a}, rm, rv, training=True, momentum=0.1)",
+    "inplace")
+# in-place on an existing value (autograd may refuse: such programs are rejected)
+_op("mutate", "f", "", "{a}.mul_(1.5)", "inplace", "mutate")
+
+OP_KEYS = [o[0] for o in OPS]
+GLOBALS = ("w", "b", "buf", "rm", "rv")
+OP_BY_KEY = {o[0]: o for o in OPS}
+
+# ATen ops policies may name (the first entries are the common ones)
+POLICY_OPS = ["aten.mm.default", "aten.sin.default", "aten.mul.Tensor", "aten.add.Tensor",
+              "aten.relu.default", "aten.cos.default", "aten.addmm.default",
+              "aten.bmm.default", "aten.cat.default", "aten.native_layer_norm.default",
+              "aten.topk.default", "aten.gelu.default", "aten.tanh.default",
+              "aten.index_select.default", "aten.where.self", "aten.add_.Tensor",
+              "aten.mul_.Tensor", "aten.native_dropout.default", "aten.rand_like.default",
+              "aten.view.default", "aten.t.default", "aten.split.Tensor",
+              "aten.embedding.default", "aten.sigmoid.default", "aten.sum.dim_IntList",
+              "aten._softmax.default", "aten.native_batch_norm.default"]
+PACKETS = ["aten.mm", "aten.add", "aten.mul", "aten.sin", "aten.native_layer_norm"]
+OPINIONS = ["None", "CP.PREFER_RECOMPUTE", "CP.PREFER_SAVE", "CP.MUST_SAVE",
+            "CP.MUST_RECOMPUTE", "CP.PREFER_CPU_OFFLOAD", "CP.MUST_CPU_OFFLOAD", "True", "False",
+            "HOOKS"]
+TAG_OPINIONS = OPINIONS[1:]
+LABELS = ["a", "b"]
+
+
+@dataclasses.dataclass
+class Program:
+    source: str
+    n_ops: int = 0
+    n_regions: int = 0
+    depth: int = 0
+    inplace: bool = False
+    random: bool = False
+    dropout: bool = False
+    foreign_tag: bool = False   # a tag/name inside a region on a value from outside it
+    tags: int = 0
+
+    def __repr__(self) -> str:  # hypothesis prints the falsifying example with this
+        return f"Program(source='''\n{self.source}''')"
+
+
+@dataclasses.dataclass
+class _Var:
+    name: str
+    type: str
+    region: int      # id of the outermost region it was produced in (0: outside)
+    notag: bool = False
+
+
+class _Gen:
+    def __init__(self, draw: Any, *, max_top: int, max_body: int, max_depth: int,
+                 ops: list[str], foreign_tags: bool, bare_tags: bool, safe_tags: bool) -> None:
+        self.draw = draw
+        self.safe_tags = safe_tags
+        self.body_start: list[int] = []
+        self.max_top, self.max_body, self.max_depth = max_top, max_body, max_depth
+        self.ops = ops
+        self.foreign_tags = foreign_tags
+        self.bare_tags = bare_tags
+        self.nvar = 0
+        self.nregion = 0
+        self.policies: list[str] = []
+        self.regions: list[str] = []  # rendered region functions
+        self.prog = Program("")
+        self.outer_id = 0
+        self.outer_count = 0
+
+    def fresh(self) -> str:
+        self.nvar += 1
+        return f"v{self.nvar}"
+
+    def pick(self, scope: list[_Var], t: str, used: set[str]) -> _Var | None:
+        cands = [v for v in scope if v.type == t]
+        if not cands:
+            return None
+        v = self.draw(st.sampled_from(cands))
+        used.add(v.name)
+        return v
+
+    # -- statements ----------------------------------------------------------------
+    def op(self, scope: list[_Var], used: set[str], lines: list[str], indent: str) -> None:
+        key = self.draw(st.sampled_from(self.ops))
+        _, ins, outs, template, flags = OP_BY_KEY[key]
+        if "mutate" in flags:
+            cands = [v for v in scope if v.type == "f" and v.name not in ("x", "y")]
+            if not cands:
+                return
+            a = self.draw(st.sampled_from(cands))
+            used.add(a.name)
+            lines.append(indent + template.format(a=a.name))
+            used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", template))
+            self.prog.inplace = True
+            self.prog.n_ops += 1
+            return
+        args = []
+        for t in ins:
+            v = self.pick(scope, t, used)
+            if v is None:
+                return
+            args.append(v.name)
+        names = dict(zip("abc", args))
+        new = [self.fresh() for _ in outs]
+        if new:
+            names["o"] = new[0]
+        if len(new) > 1:
+            names["o2"] = new[1]
+        text = template.format(**names)
+        used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", text))
+        for line in text.split("\n"):
+            lines.append(indent + line)
+        for n, t in zip(new, outs):
+            scope.append(_Var(n, t, self.outer_id, "notag" in flags))
+        self.prog.n_ops += 1
+        self.prog.inplace |= "inplace" in flags
+        self.prog.random |= "random" in flags
+        self.prog.dropout |= "dropout" in flags
+
+    def tag(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+            in_region: bool) -> None:
+        # In a region, target a value the current outermost region produced, unless foreign
+        # tags are on (the eager runtime raises for those).
+        own = [v for v in scope if v.region == self.outer_id and self.outer_id and not v.notag]
+        if self.safe_tags:
+            # Only where the compile path is known to agree with eager: inside a region, on
+            # a value this very region body defined (so the tag's result is returned, used).
+            if not in_region:
+                return
+            own = [v for v in scope[self.body_start[-1]:] if not v.notag and v.type != "p"]
+        foreign = in_region and self.foreign_tags and not self.safe_tags and self.draw(st.integers(0, 7)) == 7
+        cands = scope if (not in_region or foreign) else own
+        cands = [v for v in cands if not v.notag and v.type != "p"]
+        if not cands:
+            return
+        v = self.draw(st.sampled_from(cands))
+        used.add(v.name)
+        if in_region and v not in own:
+            self.prog.foreign_tag = True
+        if self.draw(st.booleans()):
+            opinion = self.draw(st.sampled_from(TAG_OPINIONS))
+            call = f"tag({v.name}, {opinion})"
+        else:
+            call = f"name({v.name}, {self.draw(st.sampled_from(LABELS))!r})"
+        self.prog.tags += 1
+        if self.bare_tags and self.draw(st.booleans()):
+            lines.append(indent + call)
+        else:
+            lines.append(indent + f"{v.name} = {call}")
+
+    def policy(self) -> str:
+        kind = self.draw(st.sampled_from(["table", "preset", "oplist", "save_ops", "names",
+                                          "offload_ops", "reuse"]))
+        if kind == "reuse" and self.policies:
+            return self.draw(st.sampled_from(self.policies))
+        if kind == "preset":
+            expr = repr(self.draw(st.sampled_from(["recompute_all", "save_matmuls",
+                                                   "save_all"])))
+            return expr
+        if kind in ("oplist", "save_ops", "offload_ops"):
+            ops = self.draw(st.lists(st.sampled_from(POLICY_OPS + PACKETS), min_size=1,
+                                     max_size=3, unique=True))
+            if kind == "oplist":
+                expr = f"[{', '.join(ops)}]"
+            else:
+                expr = f"preset({kind!r}, {', '.join(ops)})"
+        elif kind == "names":
+            expr = f"preset('names', {self.draw(st.sampled_from(LABELS))!r})"
+        else:
+            n = self.draw(st.integers(0, 4))
+            table = {}
+            for _ in range(n):
+                table[self.draw(st.sampled_from(POLICY_OPS))] = self.draw(st.sampled_from(OPINIONS))
+            default = self.draw(st.sampled_from(OPINIONS))
+            names = {}
+            if self.draw(st.integers(0, 3)) == 0:
+                names[self.draw(st.sampled_from(LABELS))] = self.draw(st.sampled_from(OPINIONS))
+            entries = ", ".join(f"{k}: {v}" for k, v in table.items())
+            expr = f"table_policy({{{entries}}}, default={default}"
+            if names:
+                expr += ", names={" + ", ".join(f"{k!r}: {v}" for k, v in names.items()) + "}"
+            expr += ")"
+        pname = f"P{len(self.policies) + 1}"
+        self.policies.append(pname)
+        self.regions_header.append(f"{pname} = {expr}")
+        return pname
+
+    def region(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+               depth: int) -> None:
+        self.nregion += 1
+        rid = self.nregion
+        outermost = depth == 0
+        if outermost:
+            self.outer_count += 1
+            self.outer_id = self.outer_count
+        policy = self.policy()
+        named = self.draw(st.booleans())
+        allow = self.draw(st.integers(0, 4)) == 0
+        body_scope = list(scope)
+        self.body_start.append(len(body_scope))
+        body_used: set[str] = set()
+        body: list[str] = []
+        self.block(body_scope, body_used, body, "    ", depth + 1,
+                   self.draw(st.integers(1, self.max_body)))
+        self.body_start.pop()
+        if not body:
+            body.append("    pass")
+        defined = [v for v in body_scope if v not in scope]
+        params = [v.name for v in scope if v.name in body_used]
+        fname = f"r{rid}"
+        opts = [policy]
+        if named:
+            opts.append(f"name='R{rid}'")
+        if allow:
+            opts.append("allow_cache_entry_mutation=True")
+        src = [f"@sac_region({', '.join(opts)})", f"def {fname}({', '.join(params)}):", *body]
+        outs = [v.name for v in defined]
+        src.append(f"    return ({', '.join(outs)}{',' if outs else ''})")
+        self.regions.append("\n".join(src))
+        used.update(params)
+        target = f"{', '.join(outs)}{',' if outs else ''} = " if outs else ""
+        lines.append(f"{indent}{target}{fname}({', '.join(params)})")
+        # values a region returns keep their region of origin (tags on them after the
+        # region, inside another region, are foreign unless the same outermost region)
+        scope.extend(defined)
+        self.prog.n_regions += 1
+        self.prog.depth = max(self.prog.depth, depth + 1)
+        if outermost:
+            self.outer_id = 0
+
+    def block(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+              depth: int, n: int) -> None:
+        for _ in range(n):
+            choices = ["op", "op", "op", "tag"]
+            if depth < self.max_depth:
+                choices.append("region")
+            kind = self.draw(st.sampled_from(choices))
+            if kind == "op":
+                self.op(scope, used, lines, indent)
+            elif kind == "tag":
+                self.tag(scope, used, lines, indent, depth > 0)
+            else:
+                self.region(scope, used, lines, indent, depth)
+
+    def program(self) -> Program:
+        self.regions_header: list[str] = []
+        scope = [_Var("x", "f", 0), _Var("y", "f", 0), _Var("idx", "i", 0)]
+        scope += [_Var(n, "p", 0) for n in GLOBALS]  # used by templates, never picked
+        used: set[str] = set()
+        lines: list[str] = []
+        # at least one region
+        n = self.draw(st.integers(0, self.max_top - 1))
+        self.block(scope, used, lines, "    ", 0, n)
+        self.region(scope, used, lines, "    ", 0)
+        m = self.draw(st.integers(0, 2))
+        self.block(scope, used, lines, "    ", 0, m)
+        outs = [v.name for v in scope if v.name != "idx" and v.type != "p"]
+        header = ["import torch", "import torch.nn.functional as F",
+                  "from sac_compile import CheckpointPolicy as CP", "aten = torch.ops.aten", ""]
+        src = header + self.regions_header + [""] + [r + "\n" for r in self.regions] + [
+            "def program(x, y, w, b, idx, buf, rm, rv):", *lines,
+            f"    return ({', '.join(outs)},)", ""]
+        self.prog.source = "\n".join(src)
+        return self.prog
+
+
+@st.composite
+def programs(draw: Any, *, max_top: int = 5, max_body: int = 4, max_depth: int = 3,
+             ops: list[str] | None = None, foreign_tags: bool = True,
+             bare_tags: bool = False, safe_tags: bool = False) -> Program:
+    """Random programs. ``safe_tags``: tag()/name() only inside a region on a value the
+    region body defined (avoids the compile path's known gaps, see tests/test_fuzz.py)."""
+    return _Gen(draw, max_top=max_top, max_body=max_body, max_depth=max_depth,
+                ops=ops or OP_KEYS, foreign_tags=foreign_tags, bare_tags=bare_tags,
+                safe_tags=safe_tags).program()
