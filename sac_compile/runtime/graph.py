@@ -1,0 +1,171 @@
+"""The recorded graph of a region: ops, their arguments as references, and handles.
+
+An ``OpNode`` is one ATen op of a region. Its arguments hold ``OutRef``s (an output of an
+earlier node) or ``LeafRef``s (a tensor from outside the recorded ops) where the forward
+had tensors. Autograd stores a ``SavedHandle`` instead of a tensor produced in the region.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..policy import Decision, Opinion, op_name
+from .stats import EagerStats
+
+_NON_DIFF_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                              torch.int64})
+
+# Ops that update their running-statistics arguments in place without saying so in
+# their schema: replay must write into copies, never into the module's buffers.
+_HIDDEN_MUTATIONS: dict[Any, tuple[int, ...]] = {}
+for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+    _packet = getattr(torch.ops.aten, _name, None)
+    if _packet is not None and hasattr(_packet, "default"):
+        _HIDDEN_MUTATIONS[_packet.default] = (3, 4)
+
+
+class OpInfo:
+    """Static facts about an op, computed once per OpOverload."""
+
+    __slots__ = ("random", "mutated")
+
+    def __init__(self, op: Any) -> None:
+        tags = getattr(op, "tags", ())
+        self.random = torch.Tag.nondeterministic_seeded in tags
+        schema = getattr(op, "_schema", None)
+        mutated: list[int] = []
+        if schema is not None and schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    mutated.append(i if not arg.kwarg_only else -1 - i)
+        mutated.extend(_HIDDEN_MUTATIONS.get(op, ()))
+        self.mutated = tuple(mutated)
+
+
+OP_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(op: Any) -> OpInfo:
+    info = OP_INFO.get(op)
+    if info is None:
+        info = OP_INFO[op] = OpInfo(op)
+    return info
+
+
+class ReplayContext:
+    """What replay needs from the region, kept small: nodes point here, not to the recorder."""
+
+    __slots__ = ("name", "allow_cache_entry_mutation", "stats", "lock", "__weakref__")
+
+    def __init__(self, name: str, allow_cache_entry_mutation: bool,
+                 stats: tuple[EagerStats, ...]) -> None:
+        self.name = name
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self.stats = stats
+        self.lock = threading.RLock()
+
+
+class LeafRef:
+    """A tensor from outside the recorded ops (an input, a parameter, or a value whose
+    identity was lost to a mutation through an alias). Snapshot before it is mutated."""
+
+    __slots__ = ("value", "snapshot")
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+        self.snapshot = False
+
+
+class OutRef:
+    """Output ``index`` of ``node``, as an argument of a later op."""
+
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: OpNode, index: int) -> None:
+        self.node = node
+        self.index = index
+
+
+class OpNode:
+    __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
+                 "outs", "rng", "packed", "mutated_by", "seq",
+                 "names", "tag", "__weakref__")
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
+                 ctx: ReplayContext, seq: int) -> None:
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        self.deps = deps
+        self.frames = frames
+        self.ctx = ctx
+        self.seq = seq
+        self.decision: Decision | None = None
+        self.value: list[Any] | None = None     # outputs, when saved or recomputed
+        # Per output: (weakref to the forward tensor, its version when produced, shape,
+        # dtype), or None for a non-tensor output.
+        self.outs: list[tuple[Any, int, Any, Any] | None] = []
+        self.rng: Any = None                    # (generator, state) for random ops
+        self.packed: list[Any] | None = None    # SaveWithHooks / offload storage
+        self.mutated_by: str | None = None      # op that mutated a saved output in forward
+        self.names: frozenset[str] = frozenset()
+        self.tag: Opinion | None = None
+
+    @property
+    def region(self) -> str:
+        return self.frames[-1].name if self.frames else self.ctx.name
+
+    def describe(self) -> str:
+        return f"{op_name(self.op)} (op #{self.seq} of region {self.region!r})"
+
+
+class SavedHandle:
+    """What autograd stores instead of a tensor produced inside a region."""
+
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: OpNode, index: int) -> None:
+        self.node = node
+        self.index = index
+
+
+def alias_for_saving(t: torch.Tensor) -> torch.Tensor:
+    # Integer/bool tensors that are not views come back as the very same object; float
+    # tensors are kept as detached aliases so saving them makes no autograd cycle.
+    if t.dtype in _NON_DIFF_DTYPES and not t._is_view():
+        return t
+    return t.detach()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+
+def arg_at(args: tuple, kwargs: dict, func: Any, i: int) -> Any:
+    if i >= 0:
+        if i < len(args):
+            return args[i]
+        name = func._schema.arguments[i].name
+        return kwargs.get(name)
+    return kwargs.get(func._schema.arguments[-1 - i].name)
+
+
+def flat_outputs(out: Any) -> list[Any]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    return [out]

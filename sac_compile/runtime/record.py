@@ -1,0 +1,320 @@
+"""Forward: record a region's ops, decide each one, and hand autograd handles."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..policy import Decision, Opinion, RegionFrame, decide, make_decider, op_name
+from .graph import (OP_INFO, LeafRef, OpNode, OutRef, ReplayContext, SavedHandle,
+                    alias_for_saving, arg_at, flat_outputs, nbytes, op_info, storage_key)
+from .stats import SavedValueRecord, active_stats
+
+class RegionRecorder(TorchDispatchMode):
+    """Records the ops of one outermost region (nested regions push frames onto it)."""
+
+    def __init__(self, frame: RegionFrame, allow_cache_entry_mutation: bool) -> None:
+        super().__init__()
+        self.frames = (frame,)
+        self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
+                                 tuple(active_stats()))
+        # id(tensor) -> (weakref(tensor), node, output index, expected version)
+        self.producers: dict[int, tuple[Any, OpNode, int, int]] = {}
+        self.leaves: dict[int, tuple[Any, LeafRef]] = {}
+        self.leaves_by_storage: dict[int, list[LeafRef]] = {}
+        self.saved_by_storage: dict[int, list[OpNode]] = {}
+        self.handles: list[SavedHandle] = []
+        self.nodes_recorded = 0
+        self.decisions: list[OpNode] = []
+        self.suspended = False
+
+    @property
+    def frames(self) -> tuple[RegionFrame, ...]:
+        return self._frames
+
+    @frames.setter
+    def frames(self, frames: tuple[RegionFrame, ...]) -> None:
+        self._frames = frames
+        self.decider = make_decider(frames)
+
+    # -- references ---------------------------------------------------------------
+
+    def lookup(self, t: torch.Tensor) -> tuple[OpNode, int] | None:
+        entry = self.producers.get(id(t))
+        if entry is not None and entry[0]() is t and t._version == entry[3]:
+            return entry[1], entry[2]
+        return None
+
+    def leaf(self, t: torch.Tensor) -> LeafRef:
+        entry = self.leaves.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        ref = LeafRef(t.detach() if t.requires_grad else t)
+        self.leaves[id(t)] = (weakref.ref(t), ref)
+        self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
+        return ref
+
+    def _ref(self, t: torch.Tensor, deps: list[OpNode]) -> Any:
+        found = self.lookup(t)
+        if found is None:
+            return self.leaf(t)
+        deps.append(found[0])
+        return OutRef(found[0], found[1])
+
+    def _convert(self, a: Any, deps: list[OpNode]) -> Any:
+        if isinstance(a, torch.Tensor):
+            return self._ref(a, deps)
+        if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+            converted = [self._ref(x, deps) if isinstance(x, torch.Tensor) else x for x in a]
+            return converted if isinstance(a, list) else tuple(converted)
+        return a
+
+    # -- the mode -------------------------------------------------------------------
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps every __torch_dispatch__ call in a dynamo-disable trampoline unless
+        # told otherwise; that doubles the per-op cost, and this mode never runs while
+        # dynamo traces (compiled regions use the compiler's tagging mode instead).
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.suspended:
+            return func(*args, **(kwargs or {}))
+        info = OP_INFO.get(func) or op_info(func)
+        deps: list[OpNode] = []
+        rec_args = tuple([self._convert(a, deps) for a in args])
+        if kwargs:
+            rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()}
+        else:
+            kwargs = rec_kwargs = {}
+        mutated = [arg_at(args, kwargs, func, i) for i in info.mutated] if info.mutated else ()
+        for m in mutated:
+            if isinstance(m, torch.Tensor):
+                self._before_mutation(m, func)
+
+        node = OpNode(func, rec_args, rec_kwargs, deps, self.frames, self.ctx,
+                      self.nodes_recorded)
+        self.nodes_recorded += 1
+        if info.random:
+            node.rng = _capture_rng(args, kwargs)
+
+        out = func(*args, **kwargs)
+
+        producers = self.producers
+        outs = node.outs
+        if type(out) is torch.Tensor:
+            wr = weakref.ref(out)
+            version = out._version + (1 if mutated and any(m is out for m in mutated) else 0)
+            producers[id(out)] = (wr, node, 0, version)
+            outs.append((wr, version, out.shape, out.dtype))
+        else:
+            outputs = flat_outputs(out)
+            # Arguments mutated but not returned are outputs too: later ops read them.
+            for m in mutated:
+                if isinstance(m, torch.Tensor) and not any(m is o for o in outputs):
+                    outputs.append(m)
+            for i, t in enumerate(outputs):
+                if isinstance(t, torch.Tensor):
+                    # An in-place op's version bump happens after the mode returns.
+                    version = t._version + (1 if any(m is t for m in mutated) else 0)
+                    wr = weakref.ref(t)
+                    producers[id(t)] = (wr, node, i, version)
+                    outs.append((wr, version, t.shape, t.dtype))
+                else:
+                    outs.append(None)
+
+        self._set_decision(node, self.decider(func, args, kwargs, out))
+        return out
+
+    def _before_mutation(self, m: torch.Tensor, func: Any) -> None:
+        key = storage_key(m)
+        for leaf in self.leaves_by_storage.get(key, ()):
+            if not leaf.snapshot:
+                leaf.value = leaf.value.clone()
+                leaf.snapshot = True
+        for node in self.saved_by_storage.get(key, ()):
+            if node.value is None:
+                continue
+            if self.ctx.allow_cache_entry_mutation:
+                node.value = [v.clone() if isinstance(v, torch.Tensor) else v for v in node.value]
+            elif node.mutated_by is None:
+                node.mutated_by = op_name(func)
+
+    def _set_decision(self, node: OpNode, decision: Decision) -> None:
+        first = node.decision is None
+        was_saved = not first and node.decision.saves
+        node.decision = decision
+        if decision.saves and not was_saved:
+            values = []
+            for facts in node.outs:
+                t = facts[0]() if facts is not None else None
+                values.append(alias_for_saving(t) if t is not None else None)
+            node.value = values
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    self.saved_by_storage.setdefault(storage_key(v), []).append(node)
+        elif was_saved and not decision.saves:
+            node.value = None
+        if first:
+            self.decisions.append(node)
+
+    # -- tags and labels (retroactive opinions on the producer of a tensor) ------------
+
+    def redecide(self, t: torch.Tensor, *, tag: Opinion | None = None,
+                 label: str | None = None) -> bool:
+        found = self.lookup(t)
+        if found is None:
+            return False
+        node = found[0]
+        if tag is not None:
+            node.tag = tag
+        if label is not None:
+            node.names = node.names | {label}
+        args, kwargs = forward_args(node)
+        out = [f[0]() if f is not None else None for f in node.outs]
+        output = out[0] if len(out) == 1 else tuple(out)
+        self.suspended = True
+        try:
+            decision = decide(node.frames, node.op, args, kwargs, output, names=node.names,
+                              tag=node.tag, tag_region=node.region)
+        finally:
+            self.suspended = False
+        self._set_decision(node, decision)
+        return True
+
+    # -- saved tensor hooks -------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        found = self.lookup(t)
+        if found is None:
+            if t.grad_fn is not None:
+                self.suspended = True
+                try:
+                    return t.detach()  # a tensor with history: no cycle through our storage
+                finally:
+                    self.suspended = False
+            return t
+        handle = SavedHandle(found[0], found[1])
+        self.handles.append(handle)
+        return handle
+
+    # -- region exit ----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Keep only what some backward needs, then forget the forward bookkeeping."""
+        needed = _needed_nodes(self.handles)
+        records: list[SavedValueRecord] = []
+        seen: set[int] = set()
+        for node in self.decisions:
+            if not node.decision.saves:
+                continue
+            if id(node) not in needed:
+                node.value = None  # saved by policy, but no backward ever asks for it
+                continue
+            records.extend(_saved_records(node, seen))
+            if all(v is not None for v in node.value):
+                node.args = node.kwargs = None  # never recomputed: its inputs may go
+                node.deps = ()
+            _store_saved(node)
+        for stats in self.ctx.stats:
+            stats.ops_recorded += self.nodes_recorded
+            stats.saved.extend(records)
+            stats.decisions.extend((op_name(n.op), n.decision) for n in self.decisions)
+        self.producers.clear()
+        self.leaves.clear()
+        self.leaves_by_storage.clear()
+        self.saved_by_storage.clear()
+        self.handles.clear()
+        self.decisions.clear()
+
+
+
+def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
+    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed."""
+    needed: dict[int, OpNode] = {}
+    stack = [h.node for h in handles]
+    while stack:
+        node = stack.pop()
+        if id(node) in needed:
+            continue
+        needed[id(node)] = node
+        if not (node.decision is not None and node.decision.saves):
+            stack.extend(node.deps)
+    return needed
+
+
+def _store_saved(node: OpNode) -> None:
+    """Apply the decision's storage: plain, CPU offload, or the user's pack hook."""
+    decision = node.decision
+    if decision.hooks is not None:
+        node.packed = [decision.hooks.pack(v) if isinstance(v, torch.Tensor) else v
+                       for v in node.value]
+        node.value = None
+    elif decision.offloads:
+        node.packed = [_offload(v) for v in node.value]
+        node.value = None
+
+
+def _offload(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
+        return v
+    host = torch.empty(v.shape, dtype=v.dtype, device="cpu",
+                       pin_memory=torch.cuda.is_available() if v.is_cuda else False)
+    host.copy_(v, non_blocking=True)
+    return (host, v.device)
+
+
+def _saved_records(node: OpNode, seen: set[int]) -> list[SavedValueRecord]:
+    """One record per saved tensor output; a storage shared by several counts once."""
+    records = []
+    for i, t in enumerate(node.value):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = storage_key(t)
+        size = 0 if key in seen else nbytes(t)
+        seen.add(key)
+        records.append(SavedValueRecord(f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
+                                        size, node.decision.reason(), node.region,
+                                        node.decision.label))
+    return records
+
+
+def _capture_rng(args: tuple, kwargs: dict) -> tuple[torch.Generator, torch.Tensor]:
+    gen = kwargs.get("generator")
+    if gen is None:
+        device = kwargs.get("device")
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "cpu":
+            gen = torch.default_generator
+        else:
+            mod = getattr(torch, device.type)
+            idx = device.index if device.index is not None else mod.current_device()
+            gen = mod.default_generators[idx]
+    return gen, gen.get_state()
+
+
+
+def _forward_ref(a: Any) -> Any:
+    t = type(a)
+    if t is OutRef:
+        facts = a.node.outs[a.index]
+        return facts[0]() if facts is not None else None
+    if t is LeafRef:
+        return a.value
+    if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
+        vals = [_forward_ref(x) for x in a]
+        return vals if t is list else tuple(vals)
+    return a
+
+
+def forward_args(node: OpNode) -> tuple[tuple, dict]:
+    """The op's arguments as the forward saw them (for asking policies again)."""
+    args = tuple([_forward_ref(a) for a in node.args])
+    kwargs = {k: _forward_ref(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+    return args, kwargs
