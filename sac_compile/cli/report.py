@@ -95,6 +95,7 @@ class Row:
     grad_diff: float | None = None
     grad_rel: float | None = None
     compile_s: float | None = None
+    rounds: int | None = None           # timed rounds behind time_ratio
     note: str = ""
     grads: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
     step: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
@@ -260,6 +261,7 @@ class ReportConfig:
     steps: int
     seed: int
     compile: bool = True
+    time_budget_s: float | None = None   # stop timing rounds early (after 3) once spent
 
 
 def _cuda_peak(device: str) -> contextlib.AbstractContextManager:
@@ -338,6 +340,10 @@ class _Runner:
                 res_grads = grads_of(model, inputs)
                 clear_grads(model, inputs)
                 row.kept_bytes = outside.nbytes
+                # The ops full AC re-runs: upstream SAC with an empty save list recomputes the
+                # same ops, and its recompute mode counts them.
+                row.recomputed_ops = measure_torch_sac(model, inputs, [], seed=seed,
+                                                       loss=loss_of).recomputed_ops
                 wrap = _full_ac
             elif key == "torch_sac_eager":
                 res = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=seed,
@@ -455,21 +461,25 @@ class _Runner:
         gc.freeze()
         try:
             timings = interleaved_medians({k: ticking(r.step) for k, r in live.items()},
-                                          reps=self.cfg.steps, warmup=1)
+                                          reps=self.cfg.steps, warmup=1,
+                                          budget_s=self.cfg.time_budget_s)
         finally:
             gc.unfreeze()
         for k, r in live.items():
             r.time_ms = timings[k].median * 1e3
             r.time_ratio = paired(timings, k, "no_ac")
+            r.rounds = len(timings[k].samples)
         return [self.rows[k] for k, _, _ in STRATEGIES]
 
 
 def run_report(cfg: ReportConfig, progress: Progress) -> list[Row]:
     """Measure every strategy; compiled ones under ``fallback_random`` (eager RNG) and with
     the AOTAutograd cache off (so partitions are observed; Inductor's code cache stays on)."""
+    import torch._functorch.config as _functorch_config
+    import torch._inductor.config as _inductor_config
     runner = _Runner(cfg, progress)
-    with torch._inductor.config.patch(fallback_random=True), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with _inductor_config.patch(fallback_random=True), \
+            _functorch_config.patch(enable_autograd_cache=False):
         return runner.run()
 
 
