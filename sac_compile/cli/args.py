@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--size", default=None, metavar="SIZE",
         help="fixture size: test (tiny, the default) or bench (the benchmark sizes); "
-             f"gpt also has stack32. Ignored for MODULE:FUNCTION models")
+             "gpt also has stack32. Ignored for MODULE:FUNCTION models")
     common.add_argument("--seed", type=int, default=0,
                         help="seed of the model, the inputs and dropout (default 0)")
     common.add_argument(

@@ -1,0 +1,236 @@
+"""``python -m sac_compile``: report end to end, explain, bad input, logging."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sac_compile.cli import main
+from sac_compile.cli.args import UsageError, parse_budget
+from sac_compile.cli.report import GRAD_RTOL, STRATEGIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(*args: str, env: dict | None = None, timeout: int = 170) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("TORCH_LOGS", None)
+    return subprocess.run([sys.executable, "-m", "sac_compile", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------
+# report, end to end (one subprocess: the compiled strategies run Inductor)
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def report_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    proc = _run("report", "--model", "mlp", "--size", "test", "--steps", "1", "--out", str(out))
+    return proc, out
+
+
+def test_report_exits_cleanly_and_prints_every_row(report_run):
+    proc, _ = report_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for _, label, _ in STRATEGIES:
+        assert label.split(" (")[0].split(",")[0] in proc.stdout, label
+    assert "Traceback" not in proc.stderr
+    # Compile steps say what they are doing.
+    assert "compiling torch SAC compiled" in proc.stderr
+    assert "compiling ours compiled" in proc.stderr
+
+
+def test_report_json_has_every_strategy_and_matching_gradients(report_run):
+    _, out = report_run
+    doc = json.loads((out / "report.json").read_text())
+    rows = {r["key"]: r for r in doc["strategies"]}
+    assert list(rows) == [k for k, _, _ in STRATEGIES]
+    for key, row in rows.items():
+        if row["status"] == "skipped":     # only a partitioner without memory_budget support
+            assert key == "ours_budget" and "memory_budget" in row["note"]
+            continue
+        assert row["status"] == "ok", row
+        assert row["grad_diff"] is not None and row["grad_rel"] <= GRAD_RTOL, row
+        assert row["kept_bytes"] > 0 and row["peak_bytes"] > 0
+        assert row["time_ratio"] > 0 and row["rounds"] == 1
+        assert row["recompute_flops"] >= 0
+    assert rows["no_ac"]["grad_diff"] == 0.0 and rows["no_ac"]["recompute_flops"] == 0
+    # The eager strategies that recompute keep fewer bytes than no AC.
+    for key in ("full_ac", "torch_sac_eager", "ours_eager", "ours_compiled"):
+        assert rows[key]["kept_bytes"] < rows["no_ac"]["kept_bytes"], key
+    assert rows["full_ac"]["recompute_flops"] > 0
+    meta = doc["meta"]
+    assert meta["model"] == "mlp" and meta["size"] == "test" and meta["torch"] == torch.__version__
+    assert meta["machine"] and meta["date"] and "CPU" in meta["definitions"]["peak_bytes"]
+
+
+def test_report_png_is_a_valid_image(report_run):
+    _, out = report_run
+    png = out / "report.png"
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(png))
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+    assert img.std() > 0.01       # not a blank canvas
+
+
+# --------------------------------------------------------------------------------------
+# Bad input: one line, the fix, exit code 2, no traceback
+# --------------------------------------------------------------------------------------
+
+def _bad(capsys, *argv: str) -> str:
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    assert rc == 2, (rc, captured.err)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_unknown_model(capsys):
+    msg = _bad(capsys, "report", "--model", "resnet")
+    assert "unknown model 'resnet'" in msg and "mlp, gpt, conv, moe" in msg
+
+
+@pytest.fixture
+def factory_file(tmp_path):
+    path = tmp_path / "user_models.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+
+        def only_model():
+            return torch.nn.Linear(4, 4)
+
+        def three_things():
+            return torch.nn.Linear(4, 4), (torch.randn(2, 4),), "extra"
+
+        def no_tensor_inputs():
+            return torch.nn.Linear(4, 4), ("not a tensor",)
+
+        def good():
+            return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                                       torch.nn.Linear(8, 4)), (torch.randn(2, 4),)
+    """))
+    return path
+
+
+@pytest.mark.parametrize("fn, expect", [
+    ("only_model", "returned a Linear"),
+    ("three_things", "returned a tuple of length 3"),
+    ("no_tensor_inputs", "example_inputs hold no tensor"),
+    ("missing", "has no attribute 'missing'"),
+])
+def test_factory_with_the_wrong_shape(capsys, factory_file, fn, expect):
+    msg = _bad(capsys, "report", "--model", f"{factory_file}:{fn}")
+    assert expect in msg
+    assert "(model, example_inputs)" in msg or "check the name" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(capsys):
+    msg = _bad(capsys, "report", "--device", "cuda")
+    assert "CUDA is not available" in msg and "--device cpu" in msg
+
+
+@pytest.mark.parametrize("budget", ["0", "-0.5", "1.5", "abc", "12parsecs", "0.3KiB"])
+def test_budget_outside_unit_interval_and_not_bytes(capsys, budget):
+    msg = _bad(capsys, "report", "--budget", budget)
+    assert "--budget" in msg and "(0, 1]" in msg
+
+
+def test_budget_forms():
+    assert parse_budget("0.5") == 0.5 and parse_budget("1") == 1.0
+    assert parse_budget("65536") == 65536 and isinstance(parse_budget("65536"), int)
+    assert parse_budget("64MiB") == 64 * 2**20 and parse_budget("2k") == 2000
+    with pytest.raises(UsageError):
+        parse_budget("2.5")
+
+
+def test_unknown_policy(capsys):
+    msg = _bad(capsys, "report", "--policy", "save_everything")
+    assert "unknown policy 'save_everything'" in msg and "save_matmuls" in msg
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(UsageError):
+        main(["report", "--model", "resnet", "--debug"])
+
+
+def test_exit_code_and_single_line_from_the_module_entry_point():
+    proc = _run("report", "--model", "nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_help_explains_every_flag():
+    proc = _run("report", "--help")
+    assert proc.returncode == 0
+    for flag in ("--model", "--policy", "--budget", "--device", "--steps", "--out", "--debug",
+                 "--size", "--seed"):
+        assert flag in proc.stdout, flag
+    assert "strategies" in proc.stdout and "peak" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------
+# explain, and a user's factory through report (eager only, fast)
+# --------------------------------------------------------------------------------------
+
+def test_explain_prints_both_modes_and_the_diff(capsys):
+    assert main(["explain", "mlp"]) == 0
+    out = capsys.readouterr().out
+    assert "PartitionReport (eager)" in out and "PartitionReport (compile)" in out
+    assert "differences (eager vs compile)" in out or "no differences" in out
+    assert "MUST_SAVE" in out
+
+
+def test_report_with_a_user_factory_no_compile(capsys, factory_file, tmp_path):
+    rc = main(["report", "--model", f"{factory_file}:good", "--no-compile", "--no-plot",
+               "--steps", "1", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "report.json").read_text())
+    rows = {r["key"]: r for r in doc["strategies"]}
+    assert rows["ours_compiled"]["status"] == "skipped"
+    assert rows["ours_eager"]["status"] == "ok" and rows["ours_eager"]["grad_diff"] == 0.0
+    assert doc["meta"]["blocks"] == 1     # no .blocks: the whole model is one region
+
+
+# --------------------------------------------------------------------------------------
+# Logging: silent by default; the switch prints
+# --------------------------------------------------------------------------------------
+
+def test_library_is_silent_by_default():
+    code = ("import torch, sac_compile, sac_compile.logs\n"
+            "from sac_compile import sac_region\n"
+            "f = sac_region('save_matmuls')(lambda x: (x @ x).sin())\n"
+            "f(torch.randn(4, 4, requires_grad=True)).sum().backward()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "TORCH_LOGS"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_env_switch_enables_logger_and_artifact():
+    code = ("import logging, sac_compile.logs as L\n"
+            "logging.getLogger('sac_compile.eager').debug('hello-debug')\n"
+            "L.partition_log.debug('hello-artifact')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, env=env)
+    assert quiet.stderr == ""
+    loud = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "SAC_COMPILE_LOGS": "+sac_compile,sac_partition"})
+    assert "hello-debug" in loud.stderr and "hello-artifact" in loud.stderr
+    only_artifact = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                                   text=True, env={**env, "SAC_COMPILE_LOGS": "sac_partition"})
+    assert "hello-artifact" in only_artifact.stderr and "hello-debug" not in only_artifact.stderr
