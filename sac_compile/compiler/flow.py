@@ -65,7 +65,7 @@ class CostModel:
     """Weights of the objective; part of :meth:`SACPartitioner.uuid`."""
 
     recompute_weight: float = 0.25
-    flops_per_byte: float = 64.0
+    flops_per_byte: float = 8.0
     prefer_recompute_discount: float = 0.01
 
     def recompute_cost(self, node: fx.Node) -> float:

@@ -10,6 +10,7 @@ A joint graph without any region tag is handed to upstream's
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import inspect
 import logging
@@ -57,7 +58,7 @@ class SACPartitioner(CustomPartitionerFn):
     def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
                  memory_budget: float | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
-                 cse: bool = True, delegate_untagged: bool = True) -> None:
+                 cse: bool = False, delegate_untagged: bool = True) -> None:
         if solver not in (None, "scipy", "networkx"):
             raise ValueError(f"solver must be 'scipy', 'networkx' or None, got {solver!r}")
         if memory_budget is not None:
@@ -76,6 +77,22 @@ class SACPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # FX graph building allocates many small objects; the cyclic GC's full collections
+        # were a large, variable part of partition time on big graphs. Nothing here needs it.
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            # As under dynamo: modules generate their Python code when first called.
+            with _use_lazy_graph_module(True):
+                return self._partition(gm, joint_inputs, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
+                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         num_fwd_outputs: int = kwargs["num_fwd_outputs"]
         static_idx = kwargs.get("static_lifetime_input_indices") or []
         timings: dict[str, float] = {}
@@ -91,8 +108,7 @@ class SACPartitioner(CustomPartitionerFn):
         if self.cse:
             from torch._functorch.compile_utils import fx_graph_cse
             gm.graph = fx_graph_cse(gm.graph)
-        gm.recompile()
-        lap("cse")
+        lap("dce")
         counts = normalize_tags(gm)
         lap("normalize")
         report = PartitionReport(mode="compile", solver=self.solver)
@@ -121,19 +137,17 @@ class SACPartitioner(CustomPartitionerFn):
         lap("network")
         saved, _ = solve(net, self.solver)
         lap("solve")
-        fw, bw, saved_names, recomputed = self._extract(gm, saved, static, num_fwd_outputs)
-        lap("extract")
+        fw, bw, saved_names, recomputed = self._extract(gm, saved, static, num_fwd_outputs, lap)
         if counts.get("markers"):
             report.notes.append(f"{counts['markers']} tag()/name() markers folded")
         self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
+        lap("report")
         return fw, bw
 
     # -- steps --------------------------------------------------------------------------
     def _extract(self, gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
-                 num_fwd_outputs: int):
-        from torch._functorch.partitioners import (
-            _extract_fwd_bwd_modules, functionalize_rng_ops, reordering_to_mimic_autograd_engine)
-        from torch._functorch.compile_utils import raise_getitems
+                 num_fwd_outputs: int, lap: Callable[[str], None]):
+        from torch._functorch.partitioners import _extract_fwd_bwd_modules, functionalize_rng_ops
         from torch.fx.experimental.proxy_tensor import is_sym_node
         from torch.utils._ordered_set import OrderedSet
 
@@ -142,6 +156,7 @@ class SACPartitioner(CustomPartitionerFn):
         fw, bw = _extract_fwd_bwd_modules(
             gm, saved_values, saved_sym_nodes=saved_sym, num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=OrderedSet(static))
+        lap("extract")
         fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
         recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
                       and n.name in fw_names and n.target is not operator.getitem
@@ -150,8 +165,11 @@ class SACPartitioner(CustomPartitionerFn):
         joint = {n.name: n for n in gm.graph.nodes}
         if any(costs.is_random(joint[name]) for name in recomputed):
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
-        bw = reordering_to_mimic_autograd_engine(bw)
-        return raise_getitems(fw), raise_getitems(bw), saved_names, recomputed
+            lap("rng")
+        reorder_like_autograd(bw)
+        raise_getitems_in_place(fw)
+        lap("reorder")
+        return fw, bw, saved_names, recomputed
 
     def _finish(self, report: PartitionReport, gm: fx.GraphModule, fw: fx.GraphModule,
                 bw: fx.GraphModule, saved_names: list[str], recomputed: list[str],
@@ -177,6 +195,60 @@ class SACPartitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(report)
         log.debug("%s", report)
+
+
+def raise_getitems_in_place(gm: fx.GraphModule) -> None:
+    """Each ``getitem`` right after its producer (as torch's ``raise_getitems``), no copy."""
+    for node in reversed(list(gm.graph.find_nodes(op="call_function", target=operator.getitem))):
+        node.all_input_nodes[0].append(node)
+    gm.recompile()
+
+
+def reorder_like_autograd(gm: fx.GraphModule) -> None:
+    """Move recomputed forward ops next to the backward ops that need them, in place.
+
+    Same order as torch's ``reordering_to_mimic_autograd_engine`` (each backward op, in
+    order, preceded by its not yet placed inputs in graph order) but by moving nodes within
+    the graph's linked list - O(nodes + edges) and no node copies - then raising getitems.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    tangents = [n for n in nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+    users = [u for t in tangents for u in t.users]
+    if not users:
+        raise_getitems_in_place(gm)
+        return
+    first = min(order[u] for u in users)
+    placed = {n for n in nodes if n.op == "placeholder"}
+    cursor = [n for n in nodes if n.op == "placeholder"][-1] if placed else None
+
+    def place(root: fx.Node) -> None:
+        nonlocal cursor
+        todo, stack = [], [root]
+        while stack:
+            n = stack.pop()
+            if n in placed:
+                continue
+            placed.add(n)
+            todo.append(n)
+            stack.extend(n.all_input_nodes)
+        for n in sorted(todo, key=order.__getitem__):
+            if cursor is None:
+                nodes[0].prepend(n)
+            else:
+                cursor.append(n)
+            cursor = n
+
+    for n in nodes[:first]:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+            place(n)
+    for n in nodes[first:]:
+        place(n)
+    for n in reversed(nodes):
+        if n not in placed and not n.users:
+            graph.erase_node(n)
+    raise_getitems_in_place(gm)
 
 
 def _region(node: fx.Node) -> str:

@@ -327,7 +327,15 @@ HOOKS = SaveWithHooks(_pack, _unpack)
 DETACH = "aten.detach.default"
 
 
-def _identity(t):
+def _pack_versioned(t):
+    return t, t._version
+
+
+def _unpack_versioned(packed):
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError("one of the variables needed for gradient computation has been "
+                           "modified by an inplace operation (reference run)")
     return t
 
 
@@ -498,9 +506,10 @@ def check(source: str, *, modes: tuple = ("eager", "compile"), compiler: str = "
     outcome = Outcome("ok")
     oracle = Oracle()
     try:
-        # identity saved-tensor hooks: autograd saves as it does under the eager runtime
-        # (without hooks it detaches outputs it saves, ops the runtime never sees)
-        with oracle, torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        # saved-tensor hooks, as under the eager runtime (without hooks autograd dispatches
+        # other detach ops); they keep autograd's check that a saved tensor is not modified
+        with oracle, torch.autograd.graph.saved_tensors_hooks(_pack_versioned,
+                                                              _unpack_versioned):
             ref = run(load(source, _reference_namespace(oracle)), seed)
     except Exception as e:  # not a valid program (autograd itself refuses it)
         outcome.status = "invalid"
