@@ -1,4 +1,7 @@
-"""``python -m sac_compile.demo`` (``make demo``): one small GPT-style model, three ways.
+"""``python -m sac_compile.demo`` (``make demo``) runs ``python -m sac_compile report`` with no
+flags (see :mod:`sac_compile.cli.report`). This module keeps the eager-only measurement of
+the earlier demo, used by the benchmarks and tests: :func:`run` measures one small model
+three ways.
 
 Rows: no activation checkpointing; upstream ``torch.utils.checkpoint`` selective
 checkpointing saving matmuls and attention; and sac_compile in eager mode with
@@ -20,9 +23,7 @@ Parameters and buffers are never counted: weights are not activations.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from fixtures import make_model
-from fixtures.measure import (SavedBytes, StepResult, TORCH_SAVE_MATMUL_OPS, fmt_bytes,
+from fixtures.measure import (SavedBytes, StepResult, TORCH_SAVE_MATMUL_OPS,
                               measure_noac, measure_torch_sac, param_storages, wrapped_blocks)
 from fixtures.models import clear_grads, grads_of, loss_fn, max_grad_diff
 
@@ -104,63 +105,13 @@ def run(model_name: str = "gpt", size: str = "bench", seed: int = 0) -> list[tup
     return [(r, max_grad_diff(ref, r.grads)) for r in results]
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join("-" * w for w in widths)
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(header), line, *map(fmt, rows)])
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sac_compile.demo",
-        description="Saved bytes, recompute and gradient error: no AC vs torch SAC vs sac_compile")
-    parser.add_argument("--model", default="gpt", help="fixture model (mlp, gpt, conv, moe)")
-    parser.add_argument("--size", default="bench", help="fixture size (test, bench)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    """``make demo``: ``python -m sac_compile report`` with no flags (extra arguments are
+    passed on, e.g. ``python -m sac_compile.demo --model gpt``)."""
+    import sys
 
-    model, inputs = make_model(args.model, size=args.size, seed=args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    shape = "x".join(map(str, inputs[0].shape))
-    print(f"model: fixture {args.model!r} size {args.size!r}: {len(model.blocks)} blocks, "
-          f"{n_params / 1e6:.2f} M parameters, input {shape}, training mode (dropout on), "
-          f"seed {args.seed}; torch {torch.__version__}, CPU")
-    del model, inputs
-    t0 = time.perf_counter()
-    measured = run(args.model, args.size, args.seed)
-    elapsed = time.perf_counter() - t0
-
-    base = measured[0][0].saved_bytes
-    rows = []
-    for r, diff in measured:
-        rows.append([
-            r.strategy,
-            fmt_bytes(r.saved_bytes),
-            f"{100 * r.saved_bytes / base:.0f}%" if base else "n/a",
-            fmt_bytes(r.policy_bytes) if r.policy_bytes is not None else "-",
-            str(r.recomputed_ops),
-            f"{diff:.1e}" if diff else "0",
-        ])
-    print()
-    print(_table(rows, ["strategy", "activations kept", "vs no AC", "of which policy-saved",
-                        "ops recomputed in bwd", "max |grad diff|"]))
-    print()
-    print("activations kept: unique storages held for backward after forward (parameters "
-          "excluded); policy-saved: values kept because the policy said save.")
-    noac, torch_sac, ours = (r for r, _ in measured)
-    worst = max(d for _, d in measured)
-    verdict = "match" if worst <= 1e-5 else "DIFFER"
-    print(f"conclusion: sac_compile keeps {fmt_bytes(ours.saved_bytes)} "
-          f"({100 * ours.saved_bytes / base:.0f}% of no-AC, "
-          f"{'<=' if ours.saved_bytes <= torch_sac.saved_bytes else '>'} torch SAC's "
-          f"{fmt_bytes(torch_sac.saved_bytes)}) and recomputes {ours.recomputed_ops} ops in "
-          f"backward (torch SAC: {torch_sac.recomputed_ops}); gradients {verdict} no-AC "
-          f"(max diff {worst:.1e}). [{elapsed:.1f} s]")
-    return 0 if worst <= 1e-5 else 1
+    from .cli import main as cli_main
+    return cli_main(["report", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

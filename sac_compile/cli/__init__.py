@@ -23,8 +23,9 @@ def _cmd_report(args: Any) -> int:
     from .args import check_device, load_target, parse_budget, resolve_policy
     budget = parse_budget(args.budget)
     device = check_device(args.device)
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: give at least 1 timed round, e.g. --steps 5")
+    steps, time_budget = (args.steps, None) if args.steps is not None else (15, 30.0)
     policy_label, policy = resolve_policy(args.policy)
     target = load_target(args.model, size=args.size, seed=args.seed, device=device)
     out_dir = args.out
@@ -36,10 +37,10 @@ def _cmd_report(args: Any) -> int:
 
     from .progress import Progress
     from .report import STRATEGIES, ReportConfig, format_table, meta, run_report, write_json
-    cfg = ReportConfig(target, policy_label, policy, budget, device, args.steps, args.seed,
-                       compile=not args.no_compile)
+    cfg = ReportConfig(target, policy_label, policy, budget, device, steps, args.seed,
+                       compile=not args.no_compile, time_budget_s=time_budget)
     n_live = sum(1 for _, _, kind in STRATEGIES if kind == "eager" or cfg.compile)
-    progress = Progress(len(STRATEGIES) + n_live * (args.steps + 1))
+    progress = Progress(len(STRATEGIES) + n_live * (steps + 1))
     m0 = meta(cfg, 0.0)
     progress.say(f"model {target.label}" + (f" ({target.size})" if target.size else "")
                  + f": {m0['blocks']} blocks, {m0['parameters'] / 1e6:.3f} M parameters, "
@@ -60,7 +61,8 @@ def _cmd_report(args: Any) -> int:
     m = meta(cfg, elapsed)
     print(f"sac_compile report: model {target.label}"
           + (f" ({target.size})" if target.size else "")
-          + f", policy {policy_label}, device {device}, {args.steps} timed rounds; "
+          + f", policy {policy_label}, device {device}, "
+          f"{_rounds(rows)} timed rounds; "
           f"{m['machine']}; torch {m['torch']}; {m['date'][:16]}")
     print()
     print(format_table(rows, device))
@@ -79,11 +81,18 @@ def _cmd_report(args: Any) -> int:
                                   "matplotlib is not installed; pip install 'sac_compile"
                                   "[report]'") + ")")
           + f" [{elapsed:.1f} s]")
+    if target.is_fixture and target.size == "test":
+        print("note: the test-size fixtures are tiny, so eager step times are mostly Python "
+              "overhead; --size bench gives realistic ratios (and longer compiles).")
     bad = [r for r in rows if r.status == "ok" and r.grad_rel is not None and r.grad_rel > 1e-3]
     if bad:
         print("gradients DIFFER from no AC for: " + ", ".join(r.label for r in bad))
         return 1
     return 0
+
+
+def _rounds(rows: list) -> int:
+    return max((r.rounds or 0 for r in rows), default=0)
 
 
 def _cmd_explain(args: Any) -> int:

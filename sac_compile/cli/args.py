@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
              "report), or MODULE:ATTR naming a policy object (a callable, an op list, ...)")
     common.add_argument(
         "--size", default=None, metavar="SIZE",
-        help=f"fixture size: test (tiny, the default) or bench (the benchmark sizes); "
-             f"gpt also has stack32. Ignored for MODULE:FUNCTION models")
+        help="fixture size: test (tiny, the default) or bench (the benchmark sizes); "
+             "gpt also has stack32. Ignored for MODULE:FUNCTION models")
     common.add_argument("--seed", type=int, default=0,
                         help="seed of the model, the inputs and dropout (default 0)")
     common.add_argument(
@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory budget of the 'ours budget' row: a fraction in (0, 1] of no-AC's "
              "activation bytes (default 0.5), or a byte count such as 65536, 512KiB, 64MiB")
     rep.add_argument(
-        "--steps", type=int, default=5, metavar="N",
-        help="timed rounds per strategy, interleaved, after one warm-up round (default 5); "
-             "time ratios are medians over these rounds")
+        "--steps", type=int, default=None, metavar="N",
+        help="timed rounds per strategy, interleaved, after one warm-up round; time ratios "
+             "are medians over these rounds (default: up to 15 rounds or 30 s of timing, "
+             "at least 3)")
     rep.add_argument("--out", default="sac_report", metavar="DIR",
                      help="directory for report.png and report.json (default ./sac_report)")
     rep.add_argument("--no-compile", action="store_true",

@@ -95,6 +95,7 @@ class Row:
     grad_diff: float | None = None
     grad_rel: float | None = None
     compile_s: float | None = None
+    rounds: int | None = None           # timed rounds behind time_ratio
     note: str = ""
     grads: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
     step: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
@@ -203,38 +204,78 @@ class _PartitionFigures:
 def _upstream_recorder(figures: _PartitionFigures) -> Any:
     """A ``CustomPartitionerFn`` that calls torch's ``min_cut_rematerialization_partition``
     with exactly the arguments Inductor would pass it, and records what the split saves."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    global _UpstreamRecorder
+    if _UpstreamRecorder is None:
+        class UpstreamRecorder(CustomPartitionerFn):
+            def __init__(self, figures: _PartitionFigures) -> None:
+                self.figures = figures
+
+            def uuid(self) -> str:
+                return "sac_compile.cli.report:upstream-recorder:1"
+
+            def __reduce__(self) -> Any:  # Inductor's cache pickles its config: by name
+                return (_upstream_recorder, (_PartitionFigures(),))
+
+            def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+                return _record_upstream(self.figures, gm, joint_inputs, **kwargs)
+
+        UpstreamRecorder.__qualname__ = UpstreamRecorder.__name__ = "_UpstreamRecorder"
+        _UpstreamRecorder = UpstreamRecorder
+    return _UpstreamRecorder(figures)
+
+
+_UpstreamRecorder: Any = None
+
+
+def _record_upstream(figures: _PartitionFigures, gm: torch.fx.GraphModule, joint_inputs: Any,
+                     **kwargs: Any) -> Any:
     import operator
 
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     from ..compiler import costs
+    static_idx = set(kwargs.get("static_lifetime_input_indices") or ())
+    primals = [n.name for n in gm.graph.find_nodes(op="placeholder")
+               if str(n.target).startswith("primals")]
+    static = {primals[i] for i in static_idx if i < len(primals)}
+    joint = {n.name: n for n in gm.graph.nodes}
+    fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    recomputed = [joint[n.name] for n in bw.graph.nodes
+                  if n.op == "call_function" and n.name in fw_ops and n.name in joint
+                  and n.target is not operator.getitem and not costs.is_sym(n)]
+    saved = [joint[n.name] for n in bw.graph.find_nodes(op="placeholder")
+             if n.name in joint and "tangents" not in n.name and n.name not in static
+             and not costs.is_sym(joint[n.name])]
+    figures.splits.append({
+        "saved_bytes": sum(costs.nbytes(n) for n in saved),
+        "recompute_flops": sum(costs.flops(n) for n in recomputed),
+        "recomputed_ops": len(recomputed)})
+    return fw, bw
 
-    class UpstreamRecorder(CustomPartitionerFn):
-        def uuid(self) -> str:
-            return "sac_compile.cli.report:upstream-recorder:1"
 
-        def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-            static_idx = set(kwargs.get("static_lifetime_input_indices") or ())
-            primals = [n.name for n in gm.graph.find_nodes(op="placeholder")
-                       if str(n.target).startswith("primals")]
-            static = {primals[i] for i in static_idx if i < len(primals)}
-            joint = {n.name: n for n in gm.graph.nodes}
-            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-            recomputed = [joint[n.name] for n in bw.graph.nodes
-                          if n.op == "call_function" and n.name in fw_ops and n.name in joint
-                          and n.target is not operator.getitem and not costs.is_sym(n)]
-            saved = [joint[n.name] for n in bw.graph.find_nodes(op="placeholder")
-                     if n.name in joint and "tangents" not in n.name and n.name not in static
-                     and not costs.is_sym(joint[n.name])]
-            figures.splits.append({
-                "saved_bytes": sum(costs.nbytes(n) for n in saved),
-                "recompute_flops": sum(costs.flops(n) for n in recomputed),
-                "recomputed_ops": len(recomputed)})
-            return fw, bw
+class _OnPartition:
+    """``on_partition`` callback: records the split, says what it did, logs the report to
+    the ``sac_partition`` artifact. Pickles as a no-op (Inductor's cache pickles the
+    partitioner, callback included, to build its key)."""
 
-    return UpstreamRecorder()
+    def __init__(self, figures: _PartitionFigures, progress: Progress | None) -> None:
+        self.figures = figures
+        self.progress = progress
+
+    def __reduce__(self) -> Any:
+        return (_OnPartition, (_PartitionFigures(), None))
+
+    def __call__(self, report: Any) -> None:
+        from ..logs import partition_log
+        partition_log.debug("%s", report)
+        self.figures.add_report(report)
+        if self.progress is not None:
+            self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes)} in "
+                              f"{len(report.saved)} values, recomputes {len(report.recomputed)}"
+                              f" ops in backward")
 
 
 def _upstream_backend(figures: _PartitionFigures) -> Callable[..., Any]:
@@ -260,6 +301,7 @@ class ReportConfig:
     steps: int
     seed: int
     compile: bool = True
+    time_budget_s: float | None = None   # stop timing rounds early (after 3) once spent
 
 
 def _cuda_peak(device: str) -> contextlib.AbstractContextManager:
@@ -338,6 +380,10 @@ class _Runner:
                 res_grads = grads_of(model, inputs)
                 clear_grads(model, inputs)
                 row.kept_bytes = outside.nbytes
+                # The ops full AC re-runs: upstream SAC with an empty save list recomputes the
+                # same ops, and its recompute mode counts them.
+                row.recomputed_ops = measure_torch_sac(model, inputs, [], seed=seed,
+                                                       loss=loss_of).recomputed_ops
                 wrap = _full_ac
             elif key == "torch_sac_eager":
                 res = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=seed,
@@ -402,12 +448,7 @@ class _Runner:
                           f"{fmt_bytes(row.kept_bytes)}, recomputes {row.recomputed_ops} ops")
 
     def _on_partition(self, figures: _PartitionFigures) -> Callable[[Any], None]:
-        def on_partition(report: Any) -> None:
-            figures.add_report(report)
-            self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes)} in "
-                              f"{len(report.saved)} values, recomputes {len(report.recomputed)}"
-                              f" ops in backward")
-        return on_partition
+        return _OnPartition(figures, self.progress)
 
     # -- all -------------------------------------------------------------------------------
     def run(self) -> list[Row]:
@@ -455,21 +496,25 @@ class _Runner:
         gc.freeze()
         try:
             timings = interleaved_medians({k: ticking(r.step) for k, r in live.items()},
-                                          reps=self.cfg.steps, warmup=1)
+                                          reps=self.cfg.steps, warmup=1,
+                                          budget_s=self.cfg.time_budget_s)
         finally:
             gc.unfreeze()
         for k, r in live.items():
             r.time_ms = timings[k].median * 1e3
             r.time_ratio = paired(timings, k, "no_ac")
+            r.rounds = len(timings[k].samples)
         return [self.rows[k] for k, _, _ in STRATEGIES]
 
 
 def run_report(cfg: ReportConfig, progress: Progress) -> list[Row]:
     """Measure every strategy; compiled ones under ``fallback_random`` (eager RNG) and with
     the AOTAutograd cache off (so partitions are observed; Inductor's code cache stays on)."""
+    import torch._functorch.config as _functorch_config
+    import torch._inductor.config as _inductor_config
     runner = _Runner(cfg, progress)
-    with torch._inductor.config.patch(fallback_random=True), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with _inductor_config.patch(fallback_random=True), \
+            _functorch_config.patch(enable_autograd_cache=False):
         return runner.run()
 
 
