@@ -152,8 +152,14 @@ class RegionRecorder(TorchDispatchMode):
             values = []
             for facts in node.outs:
                 t = facts[0]() if facts is not None else None
+                if t is None and facts is not None:
+                    # A tag/name decided to save after an output died (e.g. layer norm's
+                    # mean, kept only as a handle by autograd): what is gone cannot be
+                    # saved, so the op is recomputed when backward needs it.
+                    values = []
+                    break
                 values.append(alias_for_saving(t) if t is not None else None)
-            node.value = values
+            node.value = values or None
             for v in values:
                 if isinstance(v, torch.Tensor):
                     self.saved_by_storage.setdefault(storage_key(v), []).append(node)
@@ -212,7 +218,7 @@ class RegionRecorder(TorchDispatchMode):
         for node in self.decisions:
             if not node.decision.saves:
                 continue
-            if id(node) not in needed:
+            if id(node) not in needed or node.value is None:
                 node.value = None  # saved by policy, but no backward ever asks for it
                 continue
             records.extend(_saved_records(node, seen))
