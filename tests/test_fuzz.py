@@ -179,3 +179,26 @@ def test_foreign_tag_eager_raises_compile_ignores():
     outcome = harness.check(GAP_FOREIGN_TAG, modes=("eager", "compile"))
     assert outcome.status == "foreign"
     assert any("compile ignores" in n for n in outcome.notes)
+
+
+# -- regressions found by the fuzzer -----------------------------------------------------
+
+def test_regression_tag_saves_op_whose_side_outputs_died():
+    # Found by test_fuzz_eager: tag(layer_norm(x), PREFER_SAVE) in a recompute_all region.
+    # By the time of the tag, layer norm's mean/rstd live only as autograd handles; saving
+    # the node with those outputs missing made backward unpack None (TypeError).
+    import torch
+    import torch.nn.functional as F
+
+    import sac_compile as sc
+    from sac_compile import CheckpointPolicy as CP
+
+    def f(x):
+        return sc.tag(F.layer_norm(x, (8,)), CP.PREFER_SAVE)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    (sc.checkpoint(f, x, policy="recompute_all") * torch.arange(8.0)).sum().backward()
+    got = x.grad
+    x.grad = None
+    (F.layer_norm(x, (8,)) * torch.arange(8.0)).sum().backward()
+    torch.testing.assert_close(got, x.grad)
