@@ -24,8 +24,10 @@ class RegionRecorder(TorchDispatchMode):
         # id(tensor) -> (weakref(tensor), node, output index, expected version)
         self.producers: dict[int, tuple[Any, OpNode, int, int]] = {}
         self.leaves: dict[int, tuple[Any, LeafRef]] = {}
-        self.leaves_by_storage: dict[int, list[LeafRef]] = {}
-        self.saved_by_storage: dict[int, list[OpNode]] = {}
+        # Which leaves and saved values live on a storage, for copy-on-write before an
+        # in-place op. Built at the region's first mutation: most regions never mutate.
+        self.leaves_by_storage: dict[int, list[LeafRef]] | None = None
+        self.saved_by_storage: dict[int, list[OpNode]] | None = None
         self.handles: list[SavedHandle] = []
         self.nodes_recorded = 0
         self.decisions: list[OpNode] = []
@@ -54,7 +56,8 @@ class RegionRecorder(TorchDispatchMode):
             return entry[1]
         ref = LeafRef(t.detach() if t.requires_grad else t)
         self.leaves[id(t)] = (weakref.ref(t), ref)
-        self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
+        if self.leaves_by_storage is not None:
+            self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
         return ref
 
     def _ref(self, t: torch.Tensor, deps: list[OpNode]) -> Any:
@@ -130,7 +133,24 @@ class RegionRecorder(TorchDispatchMode):
         self._set_decision(node, self.decider(func, args, kwargs, out))
         return out
 
+    def _index_storages(self) -> None:
+        self.leaves_by_storage = {}
+        for _, ref in self.leaves.values():
+            self.leaves_by_storage.setdefault(storage_key(ref.value), []).append(ref)
+        self.saved_by_storage = {}
+        for node in self.decisions:
+            self._index_saved(node)
+
+    def _index_saved(self, node: OpNode) -> None:
+        if self.saved_by_storage is None or node.value is None:
+            return
+        for v in node.value:
+            if isinstance(v, torch.Tensor):
+                self.saved_by_storage.setdefault(storage_key(v), []).append(node)
+
     def _before_mutation(self, m: torch.Tensor, func: Any) -> None:
+        if self.leaves_by_storage is None:
+            self._index_storages()
         key = storage_key(m)
         for leaf in self.leaves_by_storage.get(key, ()):
             if not leaf.snapshot:
@@ -160,9 +180,7 @@ class RegionRecorder(TorchDispatchMode):
                     break
                 values.append(alias_for_saving(t) if t is not None else None)
             node.value = values or None
-            for v in values:
-                if isinstance(v, torch.Tensor):
-                    self.saved_by_storage.setdefault(storage_key(v), []).append(node)
+            self._index_saved(node)
         elif was_saved and not decision.saves:
             node.value = None
         if first:
@@ -232,8 +250,7 @@ class RegionRecorder(TorchDispatchMode):
             stats.decisions.extend((op_name(n.op), n.decision) for n in self.decisions)
         self.producers.clear()
         self.leaves.clear()
-        self.leaves_by_storage.clear()
-        self.saved_by_storage.clear()
+        self.leaves_by_storage = self.saved_by_storage = None
         self.handles.clear()
         self.decisions.clear()
 
