@@ -31,13 +31,13 @@ def check_or_repro(program, **kwargs):
             f"{harness.repro(program.source, dropout=program.dropout, **kwargs)}") from None
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=400, **SETTINGS)
 @given(programs())
 def test_fuzz_eager(program):
     check_or_repro(program, modes=("eager",))
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(programs(max_top=3, max_body=3, safe_tags=True))
 def test_fuzz_eager_and_compile(program):
     check_or_repro(program, modes=("eager", "compile"), compiler="aot_eager")

@@ -184,6 +184,8 @@ class _Gen:
         key = self.draw(st.sampled_from(self.ops))
         _, ins, outs, template, flags = OP_BY_KEY[key]
         if "mutate" in flags:
+            if self.draw(st.integers(0, 3)):
+                return  # rarer: autograd refuses many such programs
             cands = [v for v in scope if v.type == "f" and v.name not in ("x", "y")]
             if not cands:
                 return
@@ -228,7 +230,7 @@ class _Gen:
             if not in_region:
                 return
             own = [v for v in scope[self.body_start[-1]:] if not v.notag and v.type != "p"]
-        foreign = in_region and self.foreign_tags and not self.safe_tags and self.draw(st.integers(0, 7)) == 7
+        foreign = in_region and self.foreign_tags and not self.safe_tags and self.draw(st.integers(0, 15)) == 15
         cands = scope if (not in_region or foreign) else own
         cands = [v for v in cands if not v.notag and v.type != "p"]
         if not cands:

@@ -1,0 +1,138 @@
+"""The long fuzz campaign (``make fuzz``): thousands of random programs, counts printed.
+
+    python tests/fuzzlib/run.py [--eager 1800] [--compile 200] [--seed 0] [--inductor 0]
+                                [--all-tags]
+
+Pass 1 runs every program and counts outcomes without stopping. If any failed, pass 2
+replays the same seed with hypothesis shrinking on, and prints the minimal failing program
+as a standalone repro script. Exit status 1 when anything failed.
+
+``--all-tags`` lets compiled programs place tag()/name() anywhere (also where the compile
+path has known gaps, see tests/test_fuzz.py); those show up as failures.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+
+from fuzzlib import harness  # noqa: E402
+from fuzzlib.gen import programs  # noqa: E402
+
+
+def _kind(message: str) -> str:
+    first = message.strip().split("\n")[0]
+    return re.sub(r"\d+(\.\d+)?", "N", first)[:160]
+
+
+def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
+             counts: collections.Counter, failures: collections.Counter, label: str) -> None:
+    small = "compile" in modes
+    strategy = programs(max_top=3 if small else 5, max_body=3 if small else 4,
+                        safe_tags=safe_tags)
+    done = [0]
+    start = time.time()
+
+    @seed(seed_)
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def one(program):
+        done[0] += 1
+        counts[f"{label}: programs"] += 1
+        try:
+            outcome = harness.check(program.source, modes=modes, compiler=compiler,
+                                    has_inplace=program.inplace, dropout=program.dropout)
+        except harness.FuzzFailure as e:
+            counts[f"{label}: FAILED"] += 1
+            failures[f"{label}: {_kind(str(e))}"] += 1
+            return
+        counts[f"{label}: {outcome.status}"] += 1
+        for note in outcome.notes:
+            counts[f"{label}: note: {_kind(note)}"] += 1
+        if program.n_regions > 1:
+            counts[f"{label}: (several regions)"] += 1
+        if program.depth >= 3:
+            counts[f"{label}: (nesting depth 3)"] += 1
+        if done[0] % 200 == 0:
+            print(f"  {label}: {done[0]}/{n} in {time.time() - start:.0f} s", flush=True)
+
+    one()
+
+
+def shrink(modes: tuple, compiler: str, seed_: int, safe_tags: bool, n: int) -> None:
+    small = "compile" in modes
+    strategy = programs(max_top=3 if small else 5, max_body=3 if small else 4,
+                        safe_tags=safe_tags)
+
+    @seed(seed_)
+    @settings(max_examples=n, deadline=None, database=None,
+              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
+              report_multiple_bugs=False)
+    @given(strategy)
+    def one(program):
+        try:
+            harness.check(program.source, modes=modes, compiler=compiler,
+                          has_inplace=program.inplace, dropout=program.dropout)
+        except harness.FuzzFailure as e:
+            raise harness.FuzzFailure(
+                f"{e}\n\n---- standalone repro ----\n"
+                f"{harness.repro(program.source, modes=modes, compiler=compiler, dropout=program.dropout)}"
+            ) from None
+
+    try:
+        one()
+    except harness.FuzzFailure as e:
+        print(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--eager", type=int, default=1800, help="programs checked in eager mode")
+    p.add_argument("--compile", type=int, default=200,
+                   help="programs checked in eager mode and compiled with aot_eager")
+    p.add_argument("--inductor", type=int, default=0, help="programs compiled with Inductor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--all-tags", action="store_true",
+                   help="compiled programs may tag anywhere (known compile gaps included)")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import logging
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+    counts: collections.Counter = collections.Counter()
+    failures: collections.Counter = collections.Counter()
+    runs = [("eager", args.eager, ("eager",), "aot_eager", False),
+            ("compile", args.compile, ("eager", "compile"), "aot_eager", not args.all_tags),
+            ("inductor", args.inductor, ("eager", "compile"), "inductor", not args.all_tags)]
+    start = time.time()
+    for label, n, modes, compiler, safe in runs:
+        if n:
+            campaign(n, modes, compiler, args.seed, safe, counts, failures, label)
+    total = sum(v for k, v in counts.items() if k.endswith(": programs"))
+    bad = sum(v for k, v in counts.items() if k.endswith(": FAILED"))
+    print(f"\nfuzz: {total} programs in {time.time() - start:.0f} s, seed {args.seed}")
+    for k in sorted(counts):
+        print(f"  {counts[k]:6d}  {k}")
+    if failures:
+        print("\nfailures by kind:")
+        for k, v in failures.most_common():
+            print(f"  {v:6d}  {k}")
+        for label, n, modes, compiler, safe in runs:
+            if counts.get(f"{label}: FAILED"):
+                print(f"\nshrinking the first {label} failure ...", flush=True)
+                shrink(modes, compiler, args.seed, safe, n)
+    print(f"\nfuzz: {total} programs, {total - bad} passed, {bad} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
