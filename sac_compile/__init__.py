@@ -11,7 +11,7 @@ The public surface::
 """
 from typing import Any
 
-from . import policies
+from . import logs, policies  # logs: honours SAC_COMPILE_LOGS for every user, CLI or not
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
 from .regions import checkpoint, name, sac_region, tag
 
@@ -38,5 +38,5 @@ def __getattr__(attr: str) -> Any:
 
 
 __all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "checkpoint",
-           "name", "policies", "sac_region", "tag", *_LAZY]
+           "logs", "name", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"
