@@ -316,8 +316,13 @@ def make_decider(frames: Sequence[RegionFrame]) -> Decider:
 
     def decide_single(op: Any, args: tuple, kwargs: dict, output: Any) -> Decision:
         # One context object serves every call: a policy sees it valid during its call.
+        # It must not keep the output alive afterwards (autograd keeps the hooks, hence
+        # the recorder and this closure, until the graph is freed).
         ctx.op_output = output
-        raw = _ask(frame, ctx, op, args, kwargs)
+        try:
+            raw = _ask(frame, ctx, op, args, kwargs)
+        finally:
+            ctx.op_output = None
         try:
             return cache[raw]
         except (KeyError, TypeError):

@@ -426,3 +426,13 @@ def test_no_reference_cycles_through_the_runtime():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_runtime_keeps_no_forward_output_alive_that_it_did_not_save():
+    # The region's last op is layer norm; backward needs its mean and rstd. They were not
+    # saved, so they must be replayed, not found alive through the runtime's own references.
+    def f(x):
+        return F.layer_norm(x.sin(), (8,))
+
+    stats = run_counted(f, X, policy=lambda ctx, op, *a, **k: None)
+    assert "aten.native_layer_norm.default" in stats.recomputed_ops
