@@ -26,5 +26,10 @@ bench: setup
 	$(PY) benchmarks/eager_overhead.py
 	@if [ -f benchmarks/partition.py ]; then $(PY) benchmarks/partition.py; fi
 
+# >= 2,000 random programs (eager and compiled) against no checkpointing; prints counts and,
+# on a failure, a shrunk standalone repro.
+fuzz: setup
+	$(PY) tests/fuzzlib/run.py
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
