@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo bench fuzz clean
+.PHONY: setup test demo bench fuzz clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/eager_overhead.py
-	@if [ -f benchmarks/partition.py ]; then $(PY) benchmarks/partition.py; fi
+	$(PY) benchmarks/partition.py
 
 # >= 2,000 random programs (eager and compiled) against no checkpointing; prints counts and,
 # on a failure, a shrunk standalone repro.
