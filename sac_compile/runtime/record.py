@@ -306,9 +306,10 @@ _CHECKED_POLICIES: weakref.WeakSet = weakref.WeakSet()
 
 def _unchecked(policy: Any) -> bool:
     try:
-        return policy not in _CHECKED_POLICIES
+        weakref.ref(policy)
     except TypeError:  # not weak-referenceable: never checked
         return False
+    return policy not in _CHECKED_POLICIES
 
 
 def _warn_inert_policies(nodes: Sequence[OpNode]) -> None:
