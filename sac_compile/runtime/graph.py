@@ -169,3 +169,18 @@ def flat_outputs(out: Any) -> list[Any]:
     if isinstance(out, (list, tuple)):
         return list(out)
     return [out]
+
+
+def map_refs(a: Any, out_value: Any) -> Any:
+    """``a`` (an argument as recorded) with each ``OutRef`` replaced by ``out_value(ref)``
+    and each ``LeafRef`` by its tensor; lists and tuples of them likewise."""
+    t = type(a)
+    if t is OutRef:
+        return out_value(a)
+    if t is LeafRef:
+        return a.value
+    if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
+        vals = [map_refs(x, out_value) for x in a]
+        return vals if t is list else tuple(vals)
+    return a
+

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..policy import (PREFER_RECOMPUTE, Decision, Opinion, RegionFrame, decide, make_decider,
                       op_name)
 from .graph import (OP_INFO, LeafRef, OpNode, OutRef, ReplayContext, SavedHandle,
-                    alias_for_saving, arg_at, flat_outputs, nbytes, op_info, storage_key)
+                    alias_for_saving, arg_at, flat_outputs, map_refs, nbytes, op_info,
+                    storage_key)
 from .stats import SavedValueRecord, active_stats
 
 class RegionRecorder(TorchDispatchMode):
@@ -385,21 +386,13 @@ def _capture_rng(args: tuple, kwargs: dict) -> tuple[torch.Generator, torch.Tens
 
 
 
-def _forward_ref(a: Any) -> Any:
-    t = type(a)
-    if t is OutRef:
-        facts = a.node.outs[a.index]
-        return facts[0]() if facts is not None else None
-    if t is LeafRef:
-        return a.value
-    if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
-        vals = [_forward_ref(x) for x in a]
-        return vals if t is list else tuple(vals)
-    return a
+def _forward_value(ref: OutRef) -> Any:
+    facts = ref.node.outs[ref.index]
+    return facts[0]() if facts is not None else None
 
 
 def forward_args(node: OpNode) -> tuple[tuple, dict]:
     """The op's arguments as the forward saw them (for asking policies again)."""
-    args = tuple([_forward_ref(a) for a in node.args])
-    kwargs = {k: _forward_ref(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+    args = tuple([map_refs(a, _forward_value) for a in node.args])
+    kwargs = {k: map_refs(v, _forward_value) for k, v in node.kwargs.items()} if node.kwargs else {}
     return args, kwargs

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..policy import CheckpointError, op_name
-from .graph import (OP_INFO, LeafRef, OpNode, OutRef, SavedHandle, alias_for_saving, arg_at,
-                    flat_outputs, op_info)
+from .graph import (OP_INFO, OpNode, OutRef, SavedHandle, alias_for_saving, arg_at,
+                    flat_outputs, map_refs, op_info)
 
 def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is not SavedHandle:
@@ -114,17 +114,12 @@ def _restore_packed(node: OpNode) -> list[Any]:
     return values
 
 
-def _resolve(a: Any) -> Any:
-    t = type(a)
-    if t is OutRef:
-        return a.node.value[a.index]
-    if t is LeafRef:
-        return a.value
-    if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
-        vals = [_resolve(x) for x in a]
-        return vals if t is list else tuple(vals)
-    return a
+def _recomputed_value(ref: OutRef) -> Any:
+    return ref.node.value[ref.index]
 
+
+def _resolve(a: Any) -> Any:
+    return map_refs(a, _recomputed_value)
 
 
 def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
