@@ -335,24 +335,25 @@ def test_save_with_hooks_under_compile_saves_as_is():
 
 
 # 10 ------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "compile gap: make_backend(memory_budget=...) raises NotImplementedError ('planned for "
-    "the next issue'); an unreachable budget should warn or raise CheckpointError naming "
-    "the budget and the MUST_SAVE bytes that exceed it"))
 def test_memory_budget_that_is_unreachable():
+    from sac_compile.compiler.tagging import CompiledCheckpointError  # noqa: F401
     x, w = _xw()
 
     @sc.sac_region(lambda ctx, op, *a, **k: CP.MUST_SAVE, name="AllMust")
     def block(x, w):
         return (x @ w).sin().cos()
 
-    backend = make_backend(compiler="aot_eager", memory_budget=0.0)
-    f = torch.compile(lambda x, w: block(x, w).sum(), backend=backend)
-    try:
-        with pytest.warns(UserWarning, match="budget"):
-            f(x, w).backward()
-    except CheckpointError as e:
-        assert "budget" in str(e)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: block(x, w).sum(),
+                      backend=make_backend(compiler="aot_eager", memory_budget=0.5))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "sac_compile: memory budget 50% of 256 B = 128 B cannot be met: even with "
+            "everything recomputed that may be recomputed, this forward/backward split saves "
+            "256 B of activations. Largest values it must still save: mm (aten.mm.default, "
+            "128 B in region 'AllMust': MUST_SAVE by policy)")) as e:
+        f(x, w)
+    assert "To fix: raise the budget to at least 256 B" in str(e.value)
+    assert "relax those MUST_SAVE decisions to PREFER_SAVE" in str(e.value)
 
 
 # 11 ------------------------------------------------------------------------------------

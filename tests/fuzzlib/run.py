@@ -23,6 +23,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from fuzzlib import harness  # noqa: E402
 from fuzzlib.gen import programs  # noqa: E402
@@ -40,17 +41,19 @@ def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
                         safe_tags=safe_tags)
     done = [0]
     start = time.time()
+    budgets = [None, None, 0.5, 1.0] if small and harness.budget_supported() else [None]
 
     @seed(seed_)
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def one(program):
+    @given(strategy, st.sampled_from(budgets))
+    def one(program, budget):
         done[0] += 1
         counts[f"{label}: programs"] += 1
         try:
             outcome = harness.check(program.source, modes=modes, compiler=compiler,
-                                    has_inplace=program.inplace, dropout=program.dropout)
+                                    has_inplace=program.inplace, dropout=program.dropout,
+                                    memory_budget=budget)
         except harness.FuzzFailure as e:
             counts[f"{label}: FAILED"] += 1
             failures[f"{label}: {_kind(str(e))}"] += 1
@@ -58,6 +61,8 @@ def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
         counts[f"{label}: {outcome.status}"] += 1
         for note in outcome.notes:
             counts[f"{label}: note: {_kind(note)}"] += 1
+        if budget is not None:
+            counts[f"{label}: (memory budget {budget})"] += 1
         if program.n_regions > 1:
             counts[f"{label}: (several regions)"] += 1
         if program.depth >= 3:
