@@ -18,7 +18,7 @@ is executed in:
 
 Checks (:func:`check`): outputs, gradients of x, y, w, b, in-place-updated buffers and the
 RNG stream after backward equal the reference; eager decisions equal the oracle's, op by op;
-SaveWithHooks' pack and unpack run equally often; conflicting MUSTs raise CheckpointError
+SaveWithHooks' unpack never runs more often than pack; conflicting MUSTs raise CheckpointError
 naming the op and both regions in both modes and nothing else raises; eager and compile
 agree on every MUST decision of the comparable ops.
 """
@@ -621,6 +621,10 @@ def repro(source: str, **kwargs: Any) -> str:
     import sys
     harness = inspect.getsource(sys.modules[__name__])
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return (f"# Standalone repro of a sac_compile fuzz failure.\n{harness}\n\n"
-            f"PROGRAM = '''\n{source}'''\n\nif __name__ == '__main__':\n"
+    harness = harness.replace("from __future__ import annotations\n", "", 1)
+    return ("from __future__ import annotations\n\n"
+            f"# Standalone repro of a sac_compile fuzz failure: the program, then the fuzz\n"
+            f"# harness (tests/fuzzlib/harness.py) that checks it. Run from the repo root.\n"
+            f"PROGRAM = '''\n{source}'''\n\n{harness}\n\n"
+            f"if __name__ == '__main__':\n"
             f"    print(check(PROGRAM{', ' if args else ''}{args}))\n")

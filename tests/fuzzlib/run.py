@@ -35,29 +35,41 @@ def _kind(message: str) -> str:
 
 
 def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
-             counts: collections.Counter, failures: collections.Counter, label: str) -> None:
+             counts: collections.Counter, failures: collections.Counter, label: str, *,
+             shrink: bool = False) -> None:
+    """Run ``n`` programs, counting outcomes. With ``shrink``, the same programs (same seed,
+    same draws) run until the first failure, which hypothesis shrinks and which is printed
+    as a standalone repro."""
     small = "compile" in modes
     strategy = programs(max_top=3 if small else 5, max_body=3 if small else 4,
                         safe_tags=safe_tags)
     done = [0]
     start = time.time()
     budgets = [None, None, 0.5, 1.0] if small and harness.budget_supported() else [None]
+    phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
 
     @seed(seed_)
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=n, deadline=None, database=None, phases=phases,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(strategy, st.sampled_from(budgets))
     def one(program, budget):
         done[0] += 1
-        counts[f"{label}: programs"] += 1
+        kwargs = dict(modes=modes, compiler=compiler, dropout=program.dropout,
+                      memory_budget=budget)
         try:
-            outcome = harness.check(program.source, modes=modes, compiler=compiler,
-                                    has_inplace=program.inplace, dropout=program.dropout,
-                                    memory_budget=budget)
+            outcome = harness.check(program.source, has_inplace=program.inplace, **kwargs)
         except harness.FuzzFailure as e:
+            if shrink:
+                raise harness.FuzzFailure(
+                    f"{e}\n\n---- standalone repro ----\n"
+                    f"{harness.repro(program.source, has_inplace=program.inplace, **kwargs)}"
+                ) from None
             counts[f"{label}: FAILED"] += 1
             failures[f"{label}: {_kind(str(e))}"] += 1
             return
+        if shrink:
+            return
+        counts[f"{label}: programs"] += 1
         counts[f"{label}: {outcome.status}"] += 1
         for note in outcome.notes:
             counts[f"{label}: note: {_kind(note)}"] += 1
@@ -70,29 +82,9 @@ def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
         if done[0] % 200 == 0:
             print(f"  {label}: {done[0]}/{n} in {time.time() - start:.0f} s", flush=True)
 
-    one()
-
-
-def shrink(modes: tuple, compiler: str, seed_: int, safe_tags: bool, n: int) -> None:
-    small = "compile" in modes
-    strategy = programs(max_top=3 if small else 5, max_body=3 if small else 4,
-                        safe_tags=safe_tags)
-
-    @seed(seed_)
-    @settings(max_examples=n, deadline=None, database=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
-              report_multiple_bugs=False)
-    @given(strategy)
-    def one(program):
-        try:
-            harness.check(program.source, modes=modes, compiler=compiler,
-                          has_inplace=program.inplace, dropout=program.dropout)
-        except harness.FuzzFailure as e:
-            raise harness.FuzzFailure(
-                f"{e}\n\n---- standalone repro ----\n"
-                f"{harness.repro(program.source, modes=modes, compiler=compiler, dropout=program.dropout)}"
-            ) from None
-
+    if not shrink:
+        one()
+        return
     try:
         one()
     except harness.FuzzFailure as e:
@@ -124,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             campaign(n, modes, compiler, args.seed, safe, counts, failures, label)
     total = sum(v for k, v in counts.items() if k.endswith(": programs"))
     bad = sum(v for k, v in counts.items() if k.endswith(": FAILED"))
+    total += bad
     print(f"\nfuzz: {total} programs in {time.time() - start:.0f} s, seed {args.seed}")
     for k in sorted(counts):
         print(f"  {counts[k]:6d}  {k}")
@@ -134,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, n, modes, compiler, safe in runs:
             if counts.get(f"{label}: FAILED"):
                 print(f"\nshrinking the first {label} failure ...", flush=True)
-                shrink(modes, compiler, args.seed, safe, n)
+                campaign(n, modes, compiler, args.seed, safe, counts, failures, label,
+                         shrink=True)
     print(f"\nfuzz: {total} programs, {total - bad} passed, {bad} failed")
     return 1 if bad else 0
 
