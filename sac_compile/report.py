@@ -5,7 +5,11 @@
 * ``saved``: one :class:`SavedTensorRecord` per saved value (``name``, ``op``, ``nbytes``,
   ``reason``);
 * ``recomputed``: op names recomputed in backward, with repeats;
-* ``saved_bytes`` (parameters excluded) and ``recompute_flops``;
+* ``saved_bytes`` (parameters excluded), ``activation_bytes`` (inputs excluded too) and
+  ``recompute_flops``;
+* with a memory budget (compile): ``memory_budget`` as given, ``budget_bytes`` (the cap on
+  ``activation_bytes``) and ``evicted``: values saved without the budget and recomputed
+  with it, with the reason;
 * ``snapshot()``: deterministic text for expecttest; ``str(report)``: a readable table.
 
 ``explain(fn, *args, mode="eager" | "compile")`` runs ``fn`` once, forward and backward,
@@ -51,11 +55,25 @@ class PartitionReport:
     solver: str = ""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    memory_budget: float | int | None = None
+    budget_bytes: int | None = None
+    evicted: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
         """Bytes of saved activations and non-parameter inputs (parameters cost nothing)."""
         return sum(r.nbytes for r in self.saved if not r.reason.startswith("parameter"))
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved values that are not graph inputs: what a memory budget caps."""
+        return sum(r.nbytes for r in self.saved if not r.is_input)
+
+    def _budget_line(self) -> str:
+        b = self.memory_budget
+        given = f"{b * 100:g}%" if isinstance(b, float) else fmt_bytes(b)
+        return (f"memory budget {given} = {fmt_bytes(self.budget_bytes or 0)}: "
+                f"{fmt_bytes(self.activation_bytes)} of activations saved")
 
     @property
     def saved_ops(self) -> Counter:
@@ -69,6 +87,8 @@ class PartitionReport:
         """Deterministic text: saved values in graph order, recomputed ops counted."""
         lines = [f"saved {fmt_bytes(self.saved_bytes)}, recomputed {len(self.recomputed)} ops "
                  f"({self.recompute_flops} FLOPs)"]
+        if self.memory_budget is not None:
+            lines.append("  " + self._budget_line())
         params = [r for r in self.saved if r.reason.startswith("parameter")]
         if params:
             lines.append(f"  keep {len(params)} parameters ({fmt_bytes(sum(r.nbytes for r in params))}"
@@ -76,6 +96,8 @@ class PartitionReport:
         for r in self.saved:
             if r not in params:
                 lines.append(f"  save {r.op} {fmt_bytes(r.nbytes)}: {r.reason}")
+        for r in self.evicted:
+            lines.append(f"  evict {r.op} {fmt_bytes(r.nbytes)}: {r.reason}")
         for op, n in sorted(self.recomputed_ops.items()):
             lines.append(f"  recompute {op} x{n}")
         return "\n".join(lines)
@@ -87,8 +109,12 @@ class PartitionReport:
         out = [f"PartitionReport ({self.mode}): saved {fmt_bytes(self.saved_bytes)} in "
                f"{len(self.saved)} values; recomputed {len(self.recomputed)} ops, "
                f"{self.recompute_flops:,} FLOPs"]
+        if self.memory_budget is not None:
+            out[0] += "; " + self._budget_line()
         for row in rows:
             out.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[3])
+        for r in self.evicted:
+            out.append(f"  evicted {r.name} ({r.op}, {fmt_bytes(r.nbytes)}): {r.reason}")
         if self.recomputed:
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(self.recomputed_ops.items()))
             out.append(f"  recomputed: {counts}")

@@ -37,6 +37,25 @@ PREFER_SAVE node is recomputed only when that is cheaper than its bytes (a view 
 cheap pointwise op of something saved anyway). Views and ``getitem``s cost nothing to
 recompute; inputs cannot be recomputed; random ops only with RNG functionalisation;
 collectives and effectful ops never unless MUST_RECOMPUTE.
+
+Memory budget (``SACPartitioner(memory_budget=...)``)
+-----------------------------------------------------
+``B`` = a float in [0, 1] (a fraction of the activation bytes the unconstrained cut saves)
+or an int byte count, per forward/backward split. Activation bytes ``A(cut)`` are the saved
+bytes of non-input values (inputs and parameters are excluded: they are alive anyway). With
+``K(cut)`` = kept input bytes + recompute cost (the rest of the objective above), each solve
+minimises the Lagrangian::
+
+    A(cut)  +  w * K(cut),        0 < w <= 1
+
+``w = 1`` is the unconstrained cut. Lowering ``w`` makes recomputing (and keeping inputs)
+cheaper than keeping activations; ``A`` of an optimal cut is monotone in ``w`` (if ``w1 < w2``
+then ``A1 <= A2``). :func:`solve_with_budget` solves ``w = 1`` (done when ``A <= B``), then
+``w_min`` (``w_min * K`` below one byte: the least ``A`` reachable; above ``B`` ->
+:class:`~sac_compile.CheckpointError` naming the values that cannot be recomputed), then
+bisects ``log w`` (18 solves) for the largest ``w`` with ``A <= B``. Below ``w = 1``, recompute
+costs are tilted by up to 5% in graph order, so that identical blocks give way one at a time. Infinite capacities (MUST
+decisions, bans) stay infinite at every ``w``: a budget never breaks a MUST.
 """
 from __future__ import annotations
 
@@ -54,7 +73,7 @@ from ..policy import CheckpointPolicy
 from . import costs
 
 __all__ = ["CostModel", "FlowNetwork", "Classification", "classify", "build_flow_network",
-           "solve", "SOLVERS"]
+           "solve", "solve_with_budget", "BudgetResult", "budget_label", "SOLVERS"]
 
 INF = math.inf
 P = CheckpointPolicy
@@ -312,13 +331,16 @@ def default_solver() -> str:
         return "networkx"
 
 
-def solve(net: FlowNetwork, solver: str | None = None) -> tuple[list[fx.Node], float]:
-    """The saved nodes of a minimum cut (graph order) and the solve time in seconds."""
+def solve(net: FlowNetwork, solver: str | None = None, *,
+          edges: Sequence[tuple[int, int, float]] | None = None) -> tuple[list[fx.Node], float]:
+    """The saved nodes of a minimum cut (graph order) and the solve time in seconds.
+    ``edges``: capacities to use instead of ``net.edges`` (same vertices)."""
     name = solver or default_solver()
     fn = SOLVERS[name]
     t0 = time.perf_counter()
     try:
-        source_side = fn(net.sink + 1, net.edges, net.source, net.sink)
+        source_side = fn(net.sink + 1, net.edges if edges is None else edges, net.source,
+                         net.sink)
     except InfeasibleCut as e:
         raise RuntimeError(_explain_infeasible(net)) from e
     elapsed = time.perf_counter() - t0
@@ -334,3 +356,159 @@ def _explain_infeasible(net: FlowNetwork) -> str:
     return ("sac_compile: no valid forward/backward split: a value the backward needs can be "
             "neither saved nor recomputed (e.g. MUST_RECOMPUTE on an op whose inputs cannot "
             f"be recomputed or saved). Nodes involved: {names or 'see the joint graph'}")
+
+
+# --------------------------------------------------------------------------------------
+# Memory budget: a Lagrangian search on the weight of everything but activation bytes.
+# --------------------------------------------------------------------------------------
+
+BISECT_STEPS = 18
+
+
+@dataclasses.dataclass
+class BudgetResult:
+    saved: list[fx.Node]                 # the chosen cut's saved nodes, graph order
+    budget: float | int                  # as given
+    budget_bytes: float                  # the cap on activation bytes for this split
+    activation_bytes: int                # what the chosen cut saves (inputs excluded)
+    unconstrained_bytes: int             # what the cut without a budget saves
+    min_bytes: int                       # the least reachable
+    weight: float                        # the chosen w (1.0: the unconstrained cut)
+    evicted: list[fx.Node]               # saved without the budget, not with it
+    solves: int
+    seconds: float
+
+
+def budget_label(budget: float | int) -> str:
+    """``0.5`` -> ``"50%"``, ``65536`` -> ``"64 KiB"``."""
+    from ..report import fmt_bytes
+    if isinstance(budget, float):
+        return f"{budget * 100:g}%"
+    return fmt_bytes(budget)
+
+
+def check_budget(budget: Any) -> float | int | None:
+    """``None``, a float in [0, 1] or an int >= 0 (bytes); anything else: ValueError."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"memory_budget must be a float in (0, 1] (a fraction of the "
+                         f"activation bytes saved without a budget) or an int byte count, got "
+                         f"{budget!r} of type {type(budget).__name__}")
+    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
+        raise ValueError(f"memory_budget={budget!r}: a float is a fraction and must lie in "
+                         f"(0, 1]; give bytes as an int (e.g. memory_budget={int(budget)})"
+                         if budget > 1 else
+                         f"memory_budget={budget!r}: a fraction must lie in (0, 1]")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"memory_budget={budget!r}: a byte count must be >= 0")
+    return budget
+
+
+def _is_activation(net: FlowNetwork, i: int) -> bool:
+    v = net.cls.nodes[i]
+    return v.op != "placeholder" and net.save_cost[i] != INF
+
+
+# Identical blocks would all switch at the same ``w`` (the budget then met with much room to
+# spare): recompute costs get a graph-order tilt of up to this much, later values cheaper.
+TILT = 0.05
+
+
+def _weighted_edges(net: FlowNetwork, w: float) -> list[tuple[int, int, float]]:
+    """``net.edges`` with every finite capacity except activation bytes scaled by ``w``
+    (recompute costs also tilted by graph order, see ``TILT``)."""
+    out = []
+    src = net.source
+    n = max(len(net.cls.nodes), 1)
+    for u, v, c in net.edges:
+        if c == INF or c == 0:
+            out.append((u, v, c))
+        elif u == src:
+            out.append((u, v, c * w * (1.0 - TILT * (v // 2) / n)))
+        elif (v == u + 1 and u % 2 == 0 and u < src
+              and net.cls.nodes[u // 2].op == "placeholder"):
+            out.append((u, v, c * w))
+        else:
+            out.append((u, v, c))
+    return out
+
+
+def _activation_bytes(net: FlowNetwork, saved: list[fx.Node]) -> int:
+    idx = net.cls.index
+    return int(sum(net.save_cost[idx[v]] for v in saved if _is_activation(net, idx[v])))
+
+
+def solve_with_budget(net: FlowNetwork, budget: float | int,
+                      solver: str | None = None) -> BudgetResult:
+    """The cut with the largest ``w`` whose activation bytes fit ``budget`` (see the module
+    docstring); :class:`~sac_compile.CheckpointError` when no cut fits."""
+    t0 = time.perf_counter()
+    solves = 0
+
+    def at(w: float) -> tuple[list[fx.Node], int]:
+        nonlocal solves
+        solves += 1
+        saved, _ = solve(net, solver, edges=None if w == 1.0 else _weighted_edges(net, w))
+        return saved, _activation_bytes(net, saved)
+
+    base, base_bytes = at(1.0)
+    cap = budget * base_bytes if isinstance(budget, float) else float(budget)
+
+    def result(saved: list[fx.Node], nbytes: int, w: float, min_bytes: int) -> BudgetResult:
+        kept = set(saved)
+        evicted = [v for v in base if v not in kept and _is_activation(net, net.cls.index[v])]
+        return BudgetResult(saved, budget, cap, nbytes, base_bytes, min_bytes, w, evicted,
+                            solves, time.perf_counter() - t0)
+
+    if base_bytes <= cap:
+        return result(base, base_bytes, 1.0, base_bytes)
+    # Everything but activation bytes together worth less than one byte at w_min.
+    other = sum(c for u, v, c in net.edges if c not in (0, INF) and (
+        u == net.source or (v == u + 1 and u % 2 == 0 and u < net.source
+                            and net.cls.nodes[u // 2].op == "placeholder")))
+    w_min = min(0.5 / other, 1e-3) if other > 0 else 1e-3
+    low, low_bytes = at(w_min)
+    if low_bytes > cap:
+        # Keeps its type and message through Dynamo (a CheckpointError, not wrapped).
+        from .tagging import CompiledCheckpointError
+        raise CompiledCheckpointError(
+            _explain_budget(net, low, budget, cap, low_bytes, base_bytes)) from None
+    best, best_bytes, best_w = low, low_bytes, w_min
+    lo, hi = math.log(w_min), 0.0
+    for _ in range(BISECT_STEPS):
+        mid = (lo + hi) / 2
+        saved, nbytes = at(math.exp(mid))
+        if nbytes <= cap:
+            lo, best, best_bytes, best_w = mid, saved, nbytes, math.exp(mid)
+        else:
+            hi = mid
+    return result(best, best_bytes, best_w, low_bytes)
+
+
+def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int, cap: float,
+                    min_bytes: int, base_bytes: int) -> str:
+    from ..report import fmt_bytes
+    idx = net.cls.index
+    acts = sorted((v for v in saved if _is_activation(net, idx[v])),
+                  key=lambda v: -net.save_cost[idx[v]])
+    items = []
+    for v in acts[:5]:
+        path = v.meta.get("sac_region_path")
+        where = f" in region {path[-1]!r}" if path else ""
+        why = net.ban_reason.get(v, "kept so that others can be recomputed")
+        items.append(f"{v.name} ({costs.op_label(v)}, {fmt_bytes(net.save_cost[idx[v]])}"
+                     f"{where}: {why})")
+    given = (f"{budget_label(budget)} of {fmt_bytes(base_bytes)} = {fmt_bytes(cap)}"
+             if isinstance(budget, float) else fmt_bytes(cap))
+    ratio = f"{min_bytes / base_bytes:.3g}" if base_bytes else ""
+    need = f" (memory_budget={ratio if '.' in ratio else ratio + '.0'} or more)" if ratio else ""
+    must = any("MUST_SAVE" in net.ban_reason.get(v, "") or "OFFLOAD" in net.ban_reason.get(v, "")
+               for v in acts)
+    fix = ("raise the budget to at least " + fmt_bytes(min_bytes) + need +
+           (", or relax those MUST_SAVE decisions to PREFER_SAVE so they may be recomputed"
+            if must else ", or let more of these values be recomputed"))
+    return (f"sac_compile: memory budget {given} cannot be met: even with everything "
+            f"recomputed that may be recomputed, this forward/backward split saves "
+            f"{fmt_bytes(min_bytes)} of activations. Largest values it must still save: "
+            f"{'; '.join(items) or 'none'}. To fix: {fix}.")

@@ -26,7 +26,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..policy import CheckpointPolicy
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
-from .flow import CostModel, build_flow_network, classify, default_solver, solve
+from .flow import (CostModel, budget_label, build_flow_network, check_budget, classify,
+                   default_solver, solve, solve_with_budget)
 from .normalize import normalize_tags
 from .tagging import META_KEYS
 
@@ -52,7 +53,11 @@ class SACPartitioner(CustomPartitionerFn):
 
     ``solver``: ``"scipy"`` (compiled Dinic, the default when scipy is installed) or
     ``"networkx"``. ``cost_model``: the objective's weights. ``on_partition(report)``: called
-    once per split. ``cse``: run torch's FX CSE first, as upstream does.
+    once per split.
+    ``cse``: run torch's FX CSE first, as upstream does. ``memory_budget``: a float in (0, 1],
+    a fraction of the activation bytes each split saves without a budget, or an int byte
+    count per split; inputs and parameters are not counted (see :mod:`.flow`). A budget
+    that cannot be met raises :class:`~sac_compile.CheckpointError`.
     """
 
     def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
@@ -61,8 +66,7 @@ class SACPartitioner(CustomPartitionerFn):
                  cse: bool = False, delegate_untagged: bool = True) -> None:
         if solver not in (None, "scipy", "networkx"):
             raise ValueError(f"solver must be 'scipy', 'networkx' or None, got {solver!r}")
-        if memory_budget is not None:
-            raise NotImplementedError("memory_budget is planned for the next issue")
+        self.memory_budget = check_budget(memory_budget)
         self.solver = solver or default_solver()
         self.cost_model = cost_model or CostModel()
         self.on_partition = on_partition
@@ -72,7 +76,8 @@ class SACPartitioner(CustomPartitionerFn):
 
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
-        options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged))
+        options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged,
+                        self.memory_budget, type(self.memory_budget).__name__))
         return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
@@ -135,7 +140,28 @@ class SACPartitioner(CustomPartitionerFn):
         net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
                                  rng_functionalized=True)
         lap("network")
-        saved, _ = solve(net, self.solver)
+        if self.memory_budget is None:
+            saved, _ = solve(net, self.solver)
+        else:
+            res = solve_with_budget(net, self.memory_budget, self.solver)
+            saved = res.saved
+            label = budget_label(self.memory_budget)
+            report.memory_budget = self.memory_budget
+            report.budget_bytes = int(res.budget_bytes)
+            report.notes.append(
+                f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
+                f"saved, cap {fmt_bytes(res.budget_bytes)} (unconstrained "
+                f"{fmt_bytes(res.unconstrained_bytes)}, least reachable "
+                f"{fmt_bytes(res.min_bytes)}); recompute weight x{res.weight:.3g}, "
+                f"{res.solves} solves")
+            for v in res.evicted:
+                dec = v.meta.get("sac_decision")
+                what = dec.label if dec is not None else "min-cut save"
+                report.evicted.append(SavedTensorRecord(
+                    v.name, costs.op_label(v), costs.nbytes(v),
+                    f"{what} overridden by memory budget {label}: recomputed in backward "
+                    f"(saving it would exceed {fmt_bytes(res.budget_bytes)})",
+                    region=_region(v)))
         lap("solve")
         fw, bw, saved_names, recomputed = self._extract(gm, saved, static, num_fwd_outputs, lap)
         if counts.get("markers"):
