@@ -38,7 +38,8 @@ strategies (one row each):
   torch SAC compiled  the same, under torch.compile (Inductor + torch's own partitioner)
   ours eager          sac_region(--policy) on every block, the eager runtime
   ours compiled       the same, torch.compile(backend=sac_backend)
-  ours budget         ours compiled with make_backend(memory_budget=--budget)
+  ours budget         ours compiled with make_backend(memory_budget=--budget), the policy's
+                      MUSTs relaxed to PREFERs so that the budget can evict them
 
 columns:
   kept      activation bytes kept for backward (eager: counted at run time; compiled: the
@@ -56,7 +57,7 @@ examples:
   python -m sac_compile report                      # the default: tiny MLP, all strategies
   python -m sac_compile report --model gpt --size bench --steps 10
   python -m sac_compile report --model my_models.py:build --policy recompute_all
-  python -m sac_compile report --budget 0.5         # half of no-AC's activation bytes
+  python -m sac_compile report --budget 0.5         # half of what ours saves unconstrained
   python -m sac_compile report --budget 64MiB       # an absolute byte count
 """
 
@@ -112,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
              f"`.blocks` list is checkpointed per block, otherwise as a whole")
     rep.add_argument(
         "--budget", default="0.5", metavar="X",
-        help="memory budget of the 'ours budget' row: a fraction in (0, 1] of no-AC's "
-             "activation bytes (default 0.5), or a byte count such as 65536, 512KiB, 64MiB")
+        help="memory budget of the 'ours budget' row: a fraction in (0, 1] of the activation "
+             "bytes our partition saves without a budget (default 0.5), or a byte count such "
+             "as 65536, 512KiB, 64MiB (per forward/backward split); that row relaxes the "
+             "policy's MUSTs to PREFERs so the budget can evict them")
     rep.add_argument(
         "--steps", type=int, default=None, metavar="N",
         help="timed rounds per strategy, interleaved, after one warm-up round; time ratios "
@@ -151,7 +154,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 1
 def parse_budget(text: str) -> float | int:
     """``"0.5"`` -> 0.5 (a fraction in (0, 1]); ``"65536"``, ``"64MiB"`` -> bytes (int)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    hint = ("give a fraction of no-AC's activation bytes in (0, 1], e.g. --budget 0.5, or a "
+    hint = ("give a fraction in (0, 1] of the activation bytes saved without a budget, e.g. "
+            "--budget 0.5, or a "
             "byte count, e.g. --budget 65536 or --budget 64MiB")
     if not m:
         raise UsageError(f"--budget {text!r} is not a number; {hint}")

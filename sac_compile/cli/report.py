@@ -10,7 +10,10 @@ Strategies (keys in report.json in brackets):
   and torch's own partitioner (``min_cut_rematerialization_partition``).
 * ours eager [``ours_eager``]: ``sac_region(policy)`` on every block, the eager runtime.
 * ours compiled [``ours_compiled``]: the same with ``backend=sac_backend`` (Inductor).
-* ours budget [``ours_budget``]: ours compiled with ``make_backend(memory_budget=...)``.
+* ours budget [``ours_budget``]: ours compiled with ``make_backend(memory_budget=...)`` and
+  the same policy with its MUSTs relaxed to PREFERs (MUST_SAVE -> PREFER_SAVE, ...), so that
+  the budget may evict what the policy would save. A fraction is of the activation bytes the
+  unconstrained partition (of that relaxed policy) saves, per forward/backward split.
 
 How each figure is obtained:
 
@@ -163,6 +166,21 @@ def _full_ac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
 def _torch_sac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
     ctx = functools.partial(tuc.create_selective_checkpoint_contexts, TORCH_SAVE_MATMUL_OPS)
     return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
+
+
+def relax_musts(policy: Any) -> Callable[..., Any]:
+    """``policy`` with MUST_SAVE/MUST_RECOMPUTE/MUST_CPU_OFFLOAD (and ``True``) answered as
+    the matching PREFER: what a memory budget may override."""
+    from ..policy import CheckpointPolicy as CP, normalize_policy
+
+    fn = normalize_policy(policy)
+    relaxed = {CP.MUST_SAVE: CP.PREFER_SAVE, CP.MUST_RECOMPUTE: CP.PREFER_RECOMPUTE,
+               CP.MUST_CPU_OFFLOAD: CP.PREFER_CPU_OFFLOAD, True: CP.PREFER_SAVE}
+
+    def relaxed_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(ctx, op, *args, **kwargs)
+        return relaxed.get(out, out) if isinstance(out, (CP, bool)) else out
+    return relaxed_policy
 
 
 def _ours(policy: Any) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
@@ -330,9 +348,10 @@ class _Runner:
         self.rows["ours_eager"].label = f"ours eager ({cfg.policy_label})"
         self.rows["ours_compiled"].label = f"ours compiled ({cfg.policy_label})"
         budget = cfg.budget
-        self.rows["ours_budget"].label = (f"ours compiled, budget {budget:g}"
-                                          if isinstance(budget, float)
-                                          else f"ours compiled, budget {fmt_bytes(budget)}")
+        self.rows["ours_budget"].label = (
+            (f"ours compiled, budget {budget:g}" if isinstance(budget, float)
+             else f"ours compiled, budget {fmt_bytes(budget)}") + f" ({cfg.policy_label}, "
+            f"MUSTs relaxed)")
 
     # -- helpers ---------------------------------------------------------------------------
     def _copy(self) -> nn.Module:
@@ -415,24 +434,27 @@ class _Runner:
             what = "torch's min_cut_rematerialization_partition"
         else:
             from ..compiler import make_backend
-            wrap_blocks(model, _ours(self.cfg.policy))
             budget = self.cfg.budget if key == "ours_budget" else None
-            try:
-                backend = make_backend(memory_budget=budget, on_partition=self._on_partition(
-                    figures))
-            except NotImplementedError as e:
-                row.status, row.note = "skipped", f"memory_budget unavailable: {e}"
-                self.progress.say(f"{row.label}: skipped ({row.note})")
-                return
-            what = "the SAC min-cut partitioner" + (f" with memory_budget={budget}"
+            policy = self.cfg.policy if budget is None else relax_musts(self.cfg.policy)
+            wrap_blocks(model, _ours(policy))
+            backend = make_backend(memory_budget=budget, on_partition=self._on_partition(
+                figures))
+            what = "the SAC min-cut partitioner" + (f" with memory_budget={budget!r}"
                                                      if budget is not None else "")
         compiled = torch.compile(model, backend=backend)
         self.progress.say(f"compiling {row.label}: Dynamo trace -> AOTAutograd joint graph -> "
                           f"{what} -> Inductor C++ code generation (first call; cached after)")
         step = self._step_fn(compiled, model)
         t0 = time.perf_counter()
-        with _cuda_peak(self.cfg.device) as peak:
-            step()
+        from ..policy import CheckpointError
+        try:
+            with _cuda_peak(self.cfg.device) as peak:
+                step()
+        except CheckpointError as e:   # e.g. a memory budget below what must be saved
+            torch._dynamo.reset()
+            row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
+            self.progress.say(f"{row.label}: failed: {row.note}")
+            return
         row.compile_s = time.perf_counter() - t0
         row.grads = grads_of(model, self.inputs)
         clear_grads(model, self.inputs)
