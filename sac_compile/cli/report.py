@@ -275,8 +275,8 @@ def _record_upstream(figures: _PartitionFigures, gm: torch.fx.GraphModule, joint
 
 
 class _OnPartition:
-    """``on_partition`` callback: records the split, says what it did, logs the report to
-    the ``sac_partition`` artifact. Pickles as a no-op (Inductor's cache pickles the
+    """``on_partition`` callback: records the split and says what it did (the partitioner
+    itself logs the report to the ``sac_partition`` artifact). Pickles as a no-op (Inductor's cache pickles the
     partitioner, callback included, to build its key)."""
 
     def __init__(self, figures: _PartitionFigures, progress: Progress | None) -> None:
@@ -287,8 +287,6 @@ class _OnPartition:
         return (_OnPartition, (_PartitionFigures(), None))
 
     def __call__(self, report: Any) -> None:
-        from ..logs import partition_log
-        partition_log.debug("%s", report)
         self.figures.add_report(report)
         if self.progress is not None:
             self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes)} in "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import inspect
-import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..policy import CheckpointPolicy
+from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
 from .flow import (CostModel, budget_label, build_flow_network, check_budget, classify,
@@ -33,7 +33,6 @@ from .tagging import META_KEYS
 
 __all__ = ["SACPartitioner"]
 
-log = logging.getLogger("sac_compile")
 P = CheckpointPolicy
 _HASHED_MODULES = ("tagging", "normalize", "costs", "flow", "partition")
 
@@ -53,7 +52,8 @@ class SACPartitioner(CustomPartitionerFn):
 
     ``solver``: ``"scipy"`` (compiled Dinic, the default when scipy is installed) or
     ``"networkx"``. ``cost_model``: the objective's weights. ``on_partition(report)``: called
-    once per split.
+    once per split; dropped when the partitioner is pickled if it does not pickle itself.
+    Each report also goes to the ``sac_partition`` log artifact (see :mod:`sac_compile.logs`).
     ``cse``: run torch's FX CSE first, as upstream does. ``memory_budget``: a float in (0, 1],
     a fraction of the activation bytes each split saves without a budget, or an int byte
     count per split; inputs and parameters are not counted (see :mod:`.flow`). A budget
@@ -79,6 +79,20 @@ class SACPartitioner(CustomPartitionerFn):
         options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged,
                         self.memory_budget, type(self.memory_budget).__name__))
         return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Inductor's caches pickle the partitioner (its config patches are part of their
+        # key): a callback that does not pickle (a local function, a lambda) is dropped
+        # rather than making that pickling warn with a traceback.
+        state = dict(self.__dict__)
+        state["last_report"] = None
+        if state.get("on_partition") is not None:
+            import pickle
+            try:
+                pickle.dumps(state["on_partition"])
+            except Exception:
+                state["on_partition"] = None
+        return state
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -220,7 +234,7 @@ class SACPartitioner(CustomPartitionerFn):
         self.last_report = report
         if self.on_partition is not None:
             self.on_partition(report)
-        log.debug("%s", report)
+        partition_log.debug("%s", report)
 
 
 def raise_getitems_in_place(gm: fx.GraphModule) -> None:
