@@ -69,7 +69,8 @@ def _flat_after_warmup(mode: str, steps: int, warmup: int) -> None:
     for _ in range(steps - warmup):
         step()
     after = _census()
-    assert after == before, f"{mode}: live objects grew: {after - before}, shrank {before - after}"
+    # Growth is a leak; shrinking is fine (objects left by earlier tests may go meanwhile).
+    assert not after - before, f"{mode}: live objects grew by {after - before}"
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
