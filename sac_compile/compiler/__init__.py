@@ -12,6 +12,7 @@ Modules, one concern each:
 * :mod:`.backend` - ``sac_backend`` and ``make_backend``.
 * :mod:`.regions_compiled` - ``sac_region``/``checkpoint``/``tag``/``name`` under compile.
 """
+from . import regions_compiled  # noqa: F401  (quiets torch's context_fn warning for our regions)
 from .backend import make_backend, sac_backend
 from .partition import SACPartitioner
 

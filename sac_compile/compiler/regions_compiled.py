@@ -12,11 +12,18 @@ If the body graph-breaks, dynamo cannot build the higher-order op and runs the r
 eagerly instead: the region then goes through the eager runtime (``regions.run_region``
 sees ``is_compiling()`` false), which gives correct results; :func:`note_eager_fallback`
 logs that once per region.
+
+torch logs a warning (once per process) when a checkpoint with a ``context_fn`` is traced
+under compile ("... make sure the checkpointed region does not contain in-place ops").
+Library code prints nothing unless asked, so :func:`quiet_torch_context_fn_warning` skips it
+when the ``context_fn`` is one of ours; a user's own ``torch.utils.checkpoint(...,
+context_fn=...)`` still gets it, once, as before.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +89,42 @@ def tag(tensor: torch.Tensor, opinion: Opinion) -> torch.Tensor:
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     return name_op(tensor, label)
+
+
+_OUR_CONTEXT_FNS = (region_contexts, policy_contexts)
+_CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint"
+
+
+def _is_ours(context_fn: Any) -> bool:
+    return getattr(context_fn, "func", None) in _OUR_CONTEXT_FNS
+
+
+def quiet_torch_context_fn_warning() -> None:
+    """Wrap ``torch._higher_order_ops.wrap.warning_once`` (idempotent): its context_fn
+    warning is skipped when the caller's ``context_fn`` (the ``tag_activation_checkpoint``
+    implementation's local) is ours; every other call goes to torch's ``warning_once``
+    unchanged, cache included."""
+    try:
+        from torch._higher_order_ops import wrap
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(wrap, "warning_once", None)
+    if original is None or getattr(original, "_sac_compile_quiet", False):
+        return
+
+    @functools.wraps(original)
+    def warning_once(logger_obj: Any, *args: Any, **kwargs: Any) -> None:
+        if args and _CONTEXT_FN_WARNING in str(args[0]):
+            caller = sys._getframe(1)
+            if _is_ours(caller.f_locals.get("context_fn")):
+                return None
+        return original(logger_obj, *args, **kwargs)
+
+    warning_once._sac_compile_quiet = True  # type: ignore[attr-defined]
+    wrap.warning_once = warning_once
+
+
+quiet_torch_context_fn_warning()
 
 
 def note_eager_fallback(frame: RegionFrame) -> None:

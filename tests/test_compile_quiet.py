@@ -1,0 +1,40 @@
+"""Library code prints nothing: torch's context_fn warning is skipped for our own regions,
+and still shown (once) for a user's own torch.utils.checkpoint(..., context_fn=...)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import functools, sys, torch
+    import sac_compile as sc
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    @sc.sac_region("save_matmuls", name="Block")
+    def block(x, w):
+        y = x @ w
+        y.relu_()                                   # in place: still correct under compile
+        return y.sin() @ w
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    torch.compile(block, backend=sc.make_backend(compiler="aot_eager"))(x, w).sum().backward()
+    sys.stderr.write("=== user's own torch SAC ===\\n")
+    ctx = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+
+    def f(x, w):
+        return checkpoint(lambda x, w: (x @ w).sin(), x, w, use_reentrant=False,
+                          context_fn=ctx)
+    torch.compile(f, backend="aot_eager")(x, w).sum().backward()
+""")
+
+
+def test_context_fn_warning_only_for_users_own_checkpoint():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, _, theirs = proc.stderr.partition("=== user's own torch SAC ===")
+    assert _ == "=== user's own torch SAC ===", proc.stderr[-3000:]
+    assert "context_fn" not in ours, ours[-3000:]
+    assert "Detected that context_fn is passed to torch.utils.checkpoint" in theirs
