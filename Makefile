@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench fuzz clean
+.PHONY: setup test test-slow demo bench fuzz clean
 
 setup: $(STAMP)
 
@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test,report]"
 	touch $(STAMP)
 
+# The quick suite; the slow tail (100k-op chain, 1,000-step leak runs, Inductor
+# end-to-end extras) is `make test-slow`. CI runs both.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow tests
 
 demo: setup
 	$(PY) -m sac_compile.demo
