@@ -209,3 +209,54 @@ def test_regression_tag_saves_op_whose_side_outputs_died():
     x.grad = None
     (F.layer_norm(x, (8,)) * torch.arange(8.0)).sum().backward()
     torch.testing.assert_close(got, x.grad)
+
+
+BUG_BUDGET_DROPOUT = """
+import torch
+import torch.nn.functional as F
+aten = torch.ops.aten
+
+@sac_region('save_all', name='R1')
+def r1(y):
+    v1 = F.dropout(y, 0.3, training=True)
+    return (v1,)
+
+def program(x, y, w, b, idx, buf, rm, rv):
+    v1, = r1(y)
+    return (v1,)
+"""
+
+BUG_MUST_RECOMPUTE_BATCH_NORM = """
+import torch
+import torch.nn.functional as F
+from sac_compile import CheckpointPolicy as CP
+aten = torch.ops.aten
+P1 = table_policy({}, default=CP.MUST_RECOMPUTE)
+
+@sac_region(P1, name='BN')
+def r1(x, rm, rv):
+    v1 = F.batch_norm(x, rm, rv, training=True, momentum=0.1)
+    return (v1,)
+
+def program(x, y, w, b, idx, buf, rm, rv):
+    v1, = r1(x, rm, rv)
+    return (v1,)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compile bug (found by the fuzzer, seed 1): with make_backend(memory_budget=0.5) a "
+    "dropout in a save_all region is recomputed in backward with fresh randomness: the "
+    "gradient of the dropout's input is wrong (eager and no-budget compile are right)"))
+def test_bug_memory_budget_recomputes_dropout_with_fresh_randomness():
+    harness.check(BUG_BUDGET_DROPOUT, modes=("eager", "compile"), memory_budget=0.5,
+                  dropout=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compile bug (found by the fuzzer, seed 1): MUST_RECOMPUTE on every op of a region with "
+    "F.batch_norm(training=True) makes the partitioner fail with RuntimeError 'no valid "
+    "forward/backward split' (BackendCompilerFailed), where eager is right; it should "
+    "either save what it must or raise CheckpointError naming the op and region"))
+def test_bug_must_recompute_batch_norm_has_no_split():
+    harness.check(BUG_MUST_RECOMPUTE_BATCH_NORM, modes=("eager", "compile"))
