@@ -170,7 +170,8 @@ def resolve(op: str, votes: list[tuple[Any, str]]) -> str:
             if must is None or must[0] == label:
                 must = (label, region)
             elif {must[0], label} == {"SaveWithHooks", "MUST_SAVE"}:
-                must = ("SaveWithHooks", region)
+                # agree that it is saved; the hooks (and their region) say how
+                must = must if must[0] == "SaveWithHooks" else (label, region)
             else:
                 raise Expected("conflict", op, (must[1], region))
         else:
