@@ -244,12 +244,9 @@ def program(x, y, w, b, idx, buf, rm, rv):
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile bug (found by the fuzzer, seeds 1 and 2): with make_backend(memory_budget=0.5) "
-    "a random op (dropout, rand_like) in a save_all region is recomputed in backward with "
-    "fresh randomness: the gradient of its input is wrong (eager and no-budget compile are "
-    "right)"))
-def test_bug_memory_budget_recomputes_dropout_with_fresh_randomness():
+def test_memory_budget_recomputes_dropout_with_the_forwards_randomness():
+    # Found by the fuzzer (seeds 1 and 2): a PREFER_SAVE random op evicted by the budget was
+    # recomputed with fresh randomness. The partitioner now functionalises its RNG.
     harness.check(BUG_BUDGET_DROPOUT, modes=("eager", "compile"), memory_budget=0.5,
                   dropout=True)
 

@@ -203,7 +203,14 @@ class SACPartitioner(CustomPartitionerFn):
                       and not costs.is_sym(n)]
         saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
         joint = {n.name: n for n in gm.graph.nodes}
-        if any(costs.is_random(joint[name]) for name in recomputed):
+        random_recomputed = [joint[name] for name in recomputed if costs.is_random(joint[name])]
+        if random_recomputed:
+            # torch functionalises only ops tagged *_RECOMPUTE; a random op the cut chose to
+            # recompute against its tag (a PREFER_SAVE evicted by a memory budget, say)
+            # would otherwise draw fresh numbers in backward: a silently wrong gradient.
+            for node in random_recomputed:
+                if node.meta.get("recompute") not in (P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE):
+                    node.meta["recompute"] = P.PREFER_RECOMPUTE
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
             lap("rng")
         reorder_like_autograd(bw)
