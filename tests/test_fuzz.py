@@ -251,10 +251,23 @@ def test_memory_budget_recomputes_dropout_with_the_forwards_randomness():
                   dropout=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile bug (found by the fuzzer, seed 1): MUST_RECOMPUTE on every op of a region with "
-    "F.batch_norm(training=True) makes the partitioner fail with RuntimeError 'no valid "
-    "forward/backward split' (BackendCompilerFailed), where eager is right; it should "
-    "either save what it must or raise CheckpointError naming the op and region"))
-def test_bug_must_recompute_batch_norm_has_no_split():
-    harness.check(BUG_MUST_RECOMPUTE_BATCH_NORM, modes=("eager", "compile"))
+def test_must_recompute_batch_norm_under_compile_is_a_clear_error():
+    # Found by the fuzzer (seed 1): a training-mode batch_norm mutates its running stats, so
+    # under compile it cannot be recomputed; MUST_RECOMPUTE on it leaves no valid split.
+    # Eager replays it into copies of the buffers; compile says what to change.
+    import torch
+    import torch.nn.functional as F
+    import sac_compile as sc
+    from sac_compile import CheckpointError, CheckpointPolicy as CP
+
+    @sc.sac_region(lambda ctx, op, *a, **k: CP.MUST_RECOMPUTE, name="BN")
+    def region(x, rm, rv):
+        return F.batch_norm(x, rm, rv, training=True, momentum=0.1).sin()
+
+    x = torch.randn(8, 4, requires_grad=True)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    torch._dynamo.reset()
+    compiled = torch.compile(region, backend=sc.make_backend(compiler="aot_eager"))
+    with pytest.raises(CheckpointError, match=r"no valid forward/backward split.*batch_norm.*"
+                                              r"region 'BN'.*PREFER_RECOMPUTE"):
+        compiled(x, rm, rv).sum().backward()

@@ -341,8 +341,9 @@ def solve(net: FlowNetwork, solver: str | None = None, *,
     try:
         source_side = fn(net.sink + 1, net.edges if edges is None else edges, net.source,
                          net.sink)
-    except InfeasibleCut as e:
-        raise RuntimeError(_explain_infeasible(net)) from e
+    except InfeasibleCut:
+        from .tagging import CompiledCheckpointError
+        raise CompiledCheckpointError(_explain_infeasible(net)) from None
     elapsed = time.perf_counter() - t0
     saved = [v for i, v in enumerate(net.cls.nodes)
              if 2 * i in source_side and 2 * i + 1 not in source_side]
@@ -350,12 +351,27 @@ def solve(net: FlowNetwork, solver: str | None = None, *,
 
 
 def _explain_infeasible(net: FlowNetwork) -> str:
-    stuck = [v for v in net.cls.nodes if v in net.cls.needed_in_bw and v in net.ban_reason
+    # Values that can be neither saved nor recomputed; those backward uses directly first.
+    stuck = [v for v in net.cls.nodes if v in net.ban_reason
              and net.save_cost[net.cls.index[v]] == INF]
-    names = ", ".join(f"{v.name} ({costs.op_label(v)}: {net.ban_reason[v]})" for v in stuck[:5])
-    return ("sac_compile: no valid forward/backward split: a value the backward needs can be "
-            "neither saved nor recomputed (e.g. MUST_RECOMPUTE on an op whose inputs cannot "
-            f"be recomputed or saved). Nodes involved: {names or 'see the joint graph'}")
+    stuck.sort(key=lambda v: v not in net.cls.needed_in_bw)
+    def where(v: fx.Node) -> str:
+        path = v.meta.get("sac_region_path") or ()
+        return f" in region {path[-1]!r}" if path else ""
+
+    # A stuck graph input is forced by the ops that must recompute from it: name those.
+    culprits = [u for v in stuck if v.op == "placeholder" for u in v.users
+                if getattr(u.meta.get("sac_decision"), "policy", None) is P.MUST_RECOMPUTE]
+    names = ", ".join([f"{costs.op_label(u)}{where(u)} (MUST_RECOMPUTE, reads a graph input "
+                       f"the forward mutates, which cannot be saved)" for u in culprits[:3]]
+                      + [f"{costs.op_label(v)}{where(v)} ({v.name}: {net.ban_reason[v]})"
+                         for v in stuck[:5]])
+    return ("no valid forward/backward split: a value the backward needs can be neither "
+            "saved nor recomputed. Ops involved: " + (names or "see the joint graph") +
+            ". Typical cause: MUST_RECOMPUTE on an op that cannot be recomputed (a random op "
+            "without RNG functionalisation, an op that mutates its inputs such as a "
+            "training-mode batch_norm, a collective). Make the policy return PREFER_RECOMPUTE "
+            "(or None) for those ops")
 
 
 # --------------------------------------------------------------------------------------
