@@ -240,7 +240,9 @@ class RegionRecorder(TorchDispatchMode):
             if not node.decision.saves:
                 continue
             if id(node) not in needed or node.value is None:
-                node.value = None  # saved by policy, but no backward ever asks for it
+                # Saved by policy but no backward asks for it; or a late tag asked to save
+                # an output that had already died, so the op stays recomputable.
+                node.value = None
                 continue
             records.extend(_saved_records(node, seen))
             if all(v is not None for v in node.value):
