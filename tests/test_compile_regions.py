@@ -205,3 +205,71 @@ def test_compiled_regions_gradients_with_nesting_and_tags():
     torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
     assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-5
+
+
+def test_markers_are_removed_from_inference_graphs_aot_eager(monkeypatch):
+    # Under no_grad nothing is partitioned; tag()/name() must not stay behind as copies.
+    from sac_compile.compiler import backend as backend_module
+    x, w = _xw()
+    removed = []
+
+    def recording_remove_markers(graph):
+        n = real(graph)
+        removed.append(n)
+        assert not any("sac_compile" in str(node.target) for node in graph.nodes)
+        return n
+
+    real = backend_module.remove_markers
+    monkeypatch.setattr(backend_module, "remove_markers", recording_remove_markers)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda x, w: _tagged(x, w),
+                            backend=make_backend(compiler="aot_eager"))(x, w)
+    torch.testing.assert_close(got, (torch.relu(x @ w).sin()) @ w)
+    assert removed == [2]  # the tag() and the name() of _tagged
+
+
+class _RecordingPass:
+    """A user's own post-grad pass: must still run, after ours."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, graph):
+        self.targets.append([str(n.target) for n in graph.nodes])
+
+    def uuid(self):
+        return "recording-pass"
+
+
+def test_markers_are_removed_from_inference_graphs_inductor():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Recording(_RecordingPass, CustomGraphPass):
+        pass
+
+    x, w = _xw()
+    user_pass = Recording()
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_pre_pass=user_pass,
+                                                       force_disable_caches=True):
+        got = torch.compile(lambda x, w: _tagged(x, w), backend=make_backend())(x, w)
+    torch.testing.assert_close(got, (torch.relu(x @ w).sin()) @ w)
+    assert user_pass.targets, "the user's post-grad pass did not run"
+    flat = [t for graph in user_pass.targets for t in graph]
+    assert "aten.mm.default" in flat
+    assert not any("sac_compile" in t for t in flat), flat
+
+
+@sac_region("recompute_all", name="Chained")
+def _chained(x, w):
+    y = (x @ w).sin()
+    y = tag(name(y, "label"), CP.MUST_SAVE)  # a marker on a marker: still sin's output
+    return y.cos() @ w
+
+
+def test_tag_of_a_named_tensor_reaches_the_producer_under_compile():
+    x, w = _xw()
+    report = explain(lambda x, w: _chained(x, w).sum(), x, w, mode="compile")
+    assert [r.op for r in report.saved if r.op == "aten.sin.default"] == ["aten.sin.default"]
+    assert "aten.sin.default" not in report.recomputed

@@ -33,7 +33,7 @@ def check_or_repro(program, **kwargs):
 
 
 @settings(max_examples=400, **SETTINGS)
-@given(programs())
+@given(programs(bare_tags=True))
 def test_fuzz_eager(program):
     check_or_repro(program, modes=("eager",))
 
@@ -44,7 +44,7 @@ BUDGETS = [None, None, 0.5, 1.0] if harness.budget_supported() else [None]
 
 
 @settings(max_examples=60, **SETTINGS)
-@given(programs(max_top=3, max_body=3, safe_tags=True), st.sampled_from(BUDGETS))
+@given(programs(max_top=3, max_body=3, bare_tags=True), st.sampled_from(BUDGETS))
 def test_fuzz_eager_and_compile(program, budget):
     check_or_repro(program, modes=("eager", "compile"), compiler="aot_eager",
                    memory_budget=budget)
@@ -52,7 +52,7 @@ def test_fuzz_eager_and_compile(program, budget):
 
 @pytest.mark.slow
 @settings(max_examples=6, **SETTINGS)
-@given(programs(max_top=3, max_body=3, safe_tags=True))
+@given(programs(max_top=3, max_body=3, bare_tags=True))
 def test_fuzz_inductor(program):
     check_or_repro(program, modes=("eager", "compile"), compiler="inductor")
 
@@ -94,9 +94,9 @@ def test_oracle_catches_a_wrong_decision(monkeypatch):
         harness.check(source, modes=("eager",))
 
 
-# -- the compile path's known gaps, found by the fuzzer (safe_tags avoids them) ------------
+# -- tag()/name() placement: found by the fuzzer as compile/eager differences, now agreeing --
 
-GAP_TAG_OUTSIDE = """
+CASE_TAG_OUTSIDE = """
 import torch
 from sac_compile import CheckpointPolicy as CP
 aten = torch.ops.aten
@@ -112,7 +112,7 @@ def program(x, y, w, b, idx, buf, rm, rv):
     return (v1.cos(),)
 """
 
-GAP_NAME_OUTSIDE = """
+CASE_NAME_OUTSIDE = """
 import torch
 aten = torch.ops.aten
 
@@ -127,7 +127,7 @@ def program(x, y, w, b, idx, buf, rm, rv):
     return (v2,)
 """
 
-GAP_DEAD_TAG = """
+CASE_DEAD_TAG = """
 import torch
 from sac_compile import CheckpointPolicy as CP
 aten = torch.ops.aten
@@ -143,7 +143,7 @@ def program(x, y, w, b, idx, buf, rm, rv):
     return r1(x)
 """
 
-GAP_FOREIGN_TAG = """
+CASE_FOREIGN_TAG = """
 import torch
 from sac_compile import CheckpointPolicy as CP
 aten = torch.ops.aten
@@ -159,33 +159,65 @@ def program(x, y, w, b, idx, buf, rm, rv):
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile gap: tag() outside any region is applied to the producer's decision under "
-    "compile (here aten.sin in R1 becomes MUST_SAVE); in eager it is a no-op, as documented"))
-def test_gap_tag_outside_region_under_compile():
-    harness.check(GAP_TAG_OUTSIDE, modes=("eager", "compile"))
+def test_tag_outside_any_region_is_a_no_op_under_compile_too():
+    # Under compile the tag marker outside every region used to fold into the producer's
+    # decision (aten.sin in R1 became MUST_SAVE); now it is a no-op, as in eager.
+    outcome = harness.check(CASE_TAG_OUTSIDE, modes=("eager", "compile"))
+    assert outcome.status == "ok"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile gap: name() outside any region raises CompiledCheckpointError ('name() got a "
-    "tensor that no op of a region produced') under compile; in eager it is a no-op"))
-def test_gap_name_outside_region_under_compile():
-    harness.check(GAP_NAME_OUTSIDE, modes=("eager", "compile"))
+def test_name_outside_any_region_is_a_no_op_under_compile_too():
+    # ... and name() there used to raise CompiledCheckpointError.
+    outcome = harness.check(CASE_NAME_OUTSIDE, modes=("eager", "compile"))
+    assert outcome.status == "ok"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile gap: a tag() whose returned tensor is unused is dead code in the traced graph "
-    "and is dropped, so the MUST_SAVE is lost under compile; eager applies it"))
-def test_gap_unused_tag_result_under_compile():
-    harness.check(GAP_DEAD_TAG, modes=("eager", "compile"))
+def test_tag_with_unused_result_applies_under_compile_too():
+    # The marker used to be dead code that dynamo dropped, losing the MUST_SAVE under
+    # compile; markers are now side-effectful for FX dead-code elimination.
+    outcome = harness.check(CASE_DEAD_TAG, modes=("eager", "compile"))
+    assert outcome.status == "ok"
 
 
-def test_foreign_tag_eager_raises_compile_ignores():
-    # Eager raises CheckpointError naming the region; compile ignores the tag (the harness
-    # notes it as a known gap rather than failing; see the misuse catalogue).
-    outcome = harness.check(GAP_FOREIGN_TAG, modes=("eager", "compile"))
+def test_foreign_tag_raises_the_same_error_in_both_modes():
+    # The harness expects the eager error in both modes and checks the compile message.
+    outcome = harness.check(CASE_FOREIGN_TAG, modes=("eager", "compile"))
     assert outcome.status == "foreign"
-    assert any("compile ignores" in n for n in outcome.notes)
+
+
+CASE_TAG_CONFLICT_BEFORE_NAME = """
+import torch
+from sac_compile import CheckpointPolicy as CP
+aten = torch.ops.aten
+
+P1 = table_policy({}, default=CP.MUST_SAVE, names={'a': None})
+
+@sac_region(P1, name='R3')
+def r3(x, v1):
+    v1 = tag(v1, CP.MUST_RECOMPUTE)  # conflicts with R1's MUST_SAVE of sin: raise here
+    return (x.cos(),)
+
+@sac_region('recompute_all', name='R2')
+def r2(x):
+    v1 = x.sin()
+    v2, = r3(x, v1)
+    v1 = name(v1, 'a')               # would remove R1's opinion, but comes too late
+    return (v1, v2)
+
+@sac_region(P1, name='R1')
+def r1(x):
+    return r2(x)
+
+def program(x, y, w, b, idx, buf, rm, rv):
+    return r1(x)
+"""
+
+
+def test_a_tag_conflict_raises_at_the_tag_in_both_modes():
+    # Found by the fuzzer: under compile, tags and names used to be folded together after
+    # tracing, so the later name() hid the conflict the tag() had raised in eager mode.
+    outcome = harness.check(CASE_TAG_CONFLICT_BEFORE_NAME, modes=("eager", "compile"))
+    assert outcome.status == "conflict"
 
 
 # -- regressions found by the fuzzer -----------------------------------------------------

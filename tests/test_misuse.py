@@ -254,14 +254,33 @@ def test_tag_outside_any_region_is_a_no_op():
     assert sc.tag(y, CP.MUST_SAVE) is y and sc.name(y, "a") is y
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compile gap: tag() in a region on a tensor from outside it is silently ignored under "
-    "compile, where eager raises CheckpointError"))
 def test_tag_on_a_tensor_from_outside_the_region_under_compile():
     x, _ = _xw()
-    f = _compiled(lambda x: sc.checkpoint(lambda x: sc.tag(x, CP.MUST_SAVE).sin(), x))
-    with pytest.raises(CheckpointError, match="no op of the region produced"):
+    f = _compiled(lambda x: sc.sac_region("recompute_all", name="R")(
+        lambda x: sc.tag(x, CP.MUST_SAVE).sin())(x))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "tag() in region 'R' got a tensor that no op of the region produced (an "
+            "input, a parameter, or a value from outside); apply it to the output of the op "
+            "you mean, inside the region")):
         f(x)
+
+
+def test_tag_and_name_outside_any_region_are_no_ops_under_compile():
+    from sac_compile.report import explain
+    x, _ = _xw()
+
+    @sc.sac_region("recompute_all", name="R")
+    def r(x):
+        return x.sin()
+
+    def f(x):
+        y = sc.tag(r(x), CP.MUST_SAVE)   # on a region's output, but outside the region
+        z = sc.name(x.cos(), "a")         # on a value no region produced
+        return (y.cos() * z).sum()
+
+    report = explain(f, x, mode="compile")
+    assert "aten.sin.default" not in [s.op for s in report.saved]
+    assert report.recomputed.count("aten.sin.default") == 1
 
 
 # 8 -------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..report import PartitionReport
+from .normalize import remove_markers
 from .partition import SACPartitioner
 
 __all__ = ["make_backend", "sac_backend"]
@@ -26,9 +28,12 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | None = No
                                  on_partition=on_partition, **partitioner_options)
     if compiler == "inductor":
         def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs,
-                              config_patches={"custom_partitioner_fn": partitioner})
+            patches = {"custom_partitioner_fn": partitioner,
+                       "post_grad_custom_pre_pass":
+                           RemoveMarkers(config.post_grad_custom_pre_pass)}
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
         backend = sac_inductor
     elif compiler == "aot_eager":
@@ -36,6 +41,8 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | None = No
         from torch._dynamo.backends.common import aot_autograd
 
         def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            if remove_markers(gm.graph):  # an inference graph: never partitioned
+                gm.recompile()
             return make_boxed_func(gm.forward)
 
         backend = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
@@ -45,6 +52,25 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | None = No
         raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {compiler!r}")
     backend.partitioner = partitioner  # type: ignore[attr-defined]
     return backend
+
+
+class RemoveMarkers(CustomGraphPass):
+    """Inductor post-grad pass: drop tag()/name() markers left in graphs that were never
+    partitioned (inference). Joint graphs lose them in the partitioner. Runs the pass the
+    user configured, if any, afterwards."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        remove_markers(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else \
+            (None if self.then is None else repr(self.then))
+        return (get_hash_for_files((__file__,)).hex(), then)
 
 
 def sac_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -29,9 +29,10 @@ import torch.fx as fx
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide,
                       op_name, resolve_decision)
 from .costs import is_view
-from .tagging import NAME_OP, TAG_OP, decode_opinion, reraise_compiled, write_decision
+from .tagging import (NAME_OP, TAG_OP, decode_opinion, foreign_tensor_message, reraise_compiled,
+                      write_decision)
 
-__all__ = ["normalize_tags", "decision_of", "TORCH_REGION"]
+__all__ = ["normalize_tags", "remove_markers", "decision_of", "TORCH_REGION"]
 
 TORCH_REGION = "checkpoint"
 
@@ -71,7 +72,14 @@ def _normalize(gm: fx.GraphModule) -> dict[str, int]:
         if node.target is TAG_OP or node.target is NAME_OP:
             src = node.args[0]
             producer = src.args[0] if src.target is operator.getitem else src
-            if node.target is TAG_OP:
+            where = node.meta.get("sac_marker_region")
+            if where is None:
+                # Outside every region of ours nothing is checkpointed: a no-op, as in eager.
+                pass
+            elif producer.meta.get("sac_outer_region_id") != where[0]:
+                what = "tag()" if node.target is TAG_OP else "name()"
+                raise CheckpointError(foreign_tensor_message(what, where[1]))
+            elif node.target is TAG_OP:
                 tags[producer] = decode_opinion(node.args[1])
             else:
                 names[producer].add(node.args[1])
@@ -149,7 +157,20 @@ def _normalize(gm: fx.GraphModule) -> dict[str, int]:
 
     for node in graph.nodes:
         node.meta.pop("sac_ask", None)
+        node.meta.pop("sac_marked", None)
     return dict(counts)
+
+
+def remove_markers(graph: fx.Graph) -> int:
+    """Drop the tag()/name() marker nodes of a graph that is never partitioned (inference,
+    no joint graph), where they would run as copies. Returns how many were removed."""
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and (node.target is TAG_OP or node.target is NAME_OP):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            removed += 1
+    return removed
 
 
 def _inherit(node: fx.Node) -> tuple[Decision, tuple[str, ...]] | None:

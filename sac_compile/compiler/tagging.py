@@ -13,14 +13,19 @@ the op created:
 * ``node.meta["sac_call"]``: one id per dispatched op, shared by its decomposition and its
   ``getitem`` nodes, so that :mod:`.normalize` keeps them consistent;
 * ``node.meta["sac_ask"]``: what is needed to ask the policies again when ``name()``
-  labels the output later (removed by :mod:`.normalize`).
+  labels the output later (removed by :mod:`.normalize`);
+* ``node.meta["sac_region_id"]`` / ``["sac_outer_region_id"]``: the innermost and the
+  outermost region call that ran the op. The eager runtime records one outermost region
+  call at a time; a ``tag()`` in it may only name values that call produced.
 
 Nested regions: only the innermost of our active modes writes, with the frames of all of
 them, so outer and inner opinions resolve as in eager mode (torch lets the inner one win).
 
 ``tag(t, opinion)`` and ``name(t, label)`` under compile become the identity marker ops
 ``sac_compile::tag_marker`` / ``sac_compile::name_marker``; :mod:`.normalize` folds them into the
-decision of the producer and removes them from the graph.
+decision of the producer and removes them from the graph. A marker traced inside a region
+carries ``node.meta["sac_marker_region"]`` = (outermost region call, innermost region name);
+one traced outside every region carries nothing and is a no-op, as in eager mode.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
            "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
 
 META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_ask",
-             "sac_region_id", "sac_view_of")
+             "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
+             "sac_view_of")
 
 _state = threading.local()
 _call_ids = itertools.count()
@@ -122,8 +128,7 @@ class SACTaggingMode(TorchDispatchMode):
         kwargs = {} if kwargs is None else kwargs
         stack = _active()
         proxy_mode = _proxy_mode()
-        if (proxy_mode is None or not stack or stack[-1] is not self
-                or func in _MARKER_OPS):
+        if proxy_mode is None or not stack or stack[-1] is not self:
             # Not tracing (AOTAutograd's metadata pass), or an inner region of ours decides.
             return func(*args, **kwargs)
         graph = proxy_mode.tracer.graph
@@ -131,6 +136,12 @@ class SACTaggingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         new = len(graph.nodes) - before
         if new == 0:
+            return out
+        if func in _MARKER_OPS:
+            for node in itertools.islice(reversed(graph.nodes), new):
+                node.meta["sac_marker_region"] = (stack[0].region_id, self.frame.name)
+                if node.target in _MARKER_OPS:
+                    _check_marker(node)
             return out
         frames = tuple(m.frame for m in stack)
         path = tuple(f.name for f in frames)
@@ -148,11 +159,48 @@ class SACTaggingMode(TorchDispatchMode):
             write_decision(node, decision, path)
             node.meta["sac_call"] = call
             node.meta["sac_region_id"] = self.region_id
+            node.meta["sac_outer_region_id"] = stack[0].region_id
             node.meta["ac_graph_id"] = self.ac_graph_id if self.ac_graph_id is not None \
                 else self.region_id
             if ask is not None:
                 node.meta["sac_ask"] = ask
         return out
+
+
+def _check_marker(marker: torch.fx.Node) -> None:
+    """Raise at the tag()/name() call, as eager does, what :mod:`.normalize` would raise
+    for it later: a foreign tensor, or a conflict the tag or label creates. Raising here
+    keeps the order of errors the same as in eager (the first error in program order)."""
+    import operator
+    src = marker.args[0]
+    while src.target in _MARKER_OPS:  # tag(name(y, ...), ...): still y's producer
+        src = src.args[0]
+    producer = src.args[0] if src.target is operator.getitem else src
+    outer, region = marker.meta["sac_marker_region"]
+    what = "tag()" if marker.target is TAG_OP else "name()"
+    if producer.meta.get("sac_outer_region_id") != outer:
+        raise CompiledCheckpointError(foreign_tensor_message(what, region))
+    ask = producer.meta.get("sac_ask")
+    if ask is None:
+        return
+    tag, names = producer.meta.get("sac_marked", (None, frozenset()))
+    if marker.target is TAG_OP:
+        tag = decode_opinion(marker.args[1])
+    else:
+        names = names | {marker.args[1]}
+    producer.meta["sac_marked"] = (tag, names)
+    frames, func, args, kwargs, out = ask
+    try:
+        decide(frames, func, args, kwargs, out, names=names, tag=tag,
+               tag_region=producer.meta["sac_region_path"][-1])
+    except CheckpointError as e:
+        reraise_compiled(e)
+
+
+def foreign_tensor_message(what: str, region: str) -> str:
+    return (f"{what} in region {region!r} got a tensor that no op of the region produced (an "
+            f"input, a parameter, or a value from outside); apply it to the output of the op "
+            f"you mean, inside the region")
 
 
 def write_decision(node: torch.fx.Node, decision: Decision, path: tuple[str, ...]) -> None:
@@ -228,3 +276,9 @@ name_op.register_autograd(lambda ctx, grad: (grad, None))
 TAG_OP = torch.ops.sac_compile.tag_marker.default
 NAME_OP = torch.ops.sac_compile.name_marker.default
 _MARKER_OPS = frozenset({TAG_OP, NAME_OP})
+
+# ``tag(y, ...)`` whose result is unused is still an opinion on y's producer (eager applies
+# it): FX dead-code elimination (dynamo's, AOTAutograd's) must keep the marker. normalize
+# removes every marker before the cut, so nothing of it reaches the compiled code.
+for _op in (TAG_OP, NAME_OP, torch.ops.sac_compile.tag_marker, torch.ops.sac_compile.name_marker):
+    torch.fx.node.has_side_effect(_op)

@@ -225,8 +225,8 @@ class _Gen:
         # tags are on (the eager runtime raises for those).
         own = [v for v in scope if v.region == self.outer_id and self.outer_id and not v.notag]
         if self.safe_tags:
-            # Only where the compile path is known to agree with eager: inside a region, on
-            # a value this very region body defined (so the tag's result is returned, used).
+            # Only inside a region, on a value this very region body defined (the tags the
+            # compile path agreed with eager on before markers carried their region).
             if not in_region:
                 return
             own = [v for v in scope[self.body_start[-1]:] if not v.notag and v.type != "p"]
@@ -371,7 +371,7 @@ def programs(draw: Any, *, max_top: int = 5, max_body: int = 4, max_depth: int =
              ops: list[str] | None = None, foreign_tags: bool = True,
              bare_tags: bool = False, safe_tags: bool = False) -> Program:
     """Random programs. ``safe_tags``: tag()/name() only inside a region on a value the
-    region body defined (avoids the compile path's known gaps, see tests/test_fuzz.py)."""
+    region body defined. ``bare_tags``: some tag()/name() results are left unused."""
     return _Gen(draw, max_top=max_top, max_body=max_body, max_depth=max_depth,
                 ops=ops or OP_KEYS, foreign_tags=foreign_tags, bare_tags=bare_tags,
                 safe_tags=safe_tags).program()
