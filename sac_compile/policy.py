@@ -91,18 +91,16 @@ class Decision:
     region: str | None = None
     source: str = "default"  # "policy" | "tag" | "name" | "default" | "resolution"
     overridden: tuple[Vote, ...] = ()
+    # Derived from ``policy`` once: the runtime asks them for every op, and hashing an
+    # enum member runs Python code.
+    is_must: bool = dataclasses.field(init=False, repr=False, compare=False)
+    saves: bool = dataclasses.field(init=False, repr=False, compare=False)
+    offloads: bool = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def is_must(self) -> bool:
-        return self.policy in _MUSTS
-
-    @property
-    def saves(self) -> bool:
-        return self.policy in _SAVES
-
-    @property
-    def offloads(self) -> bool:
-        return self.policy in _OFFLOADS
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_must", self.policy in _MUSTS)
+        object.__setattr__(self, "saves", self.policy in _SAVES)
+        object.__setattr__(self, "offloads", self.policy in _OFFLOADS)
 
     @property
     def label(self) -> str:

@@ -29,9 +29,10 @@ for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
-    __slots__ = ("random", "mutated")
+    __slots__ = ("op", "random", "mutated")
 
     def __init__(self, op: Any) -> None:
+        self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
         tags = getattr(op, "tags", ())
         self.random = torch.Tag.nondeterministic_seeded in tags
         schema = getattr(op, "_schema", None)
@@ -44,13 +45,15 @@ class OpInfo:
         self.mutated = tuple(mutated)
 
 
-OP_INFO: dict[Any, OpInfo] = {}
+# Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
+# every op recorded and replayed.
+OP_INFO: dict[int, OpInfo] = {}
 
 
 def op_info(op: Any) -> OpInfo:
-    info = OP_INFO.get(op)
+    info = OP_INFO.get(id(op))
     if info is None:
-        info = OP_INFO[op] = OpInfo(op)
+        info = OP_INFO[id(op)] = OpInfo(op)
     return info
 
 

@@ -90,9 +90,21 @@ class RegionRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.suspended:
             return func(*args, **(kwargs or {}))
-        info = OP_INFO.get(func) or op_info(func)
+        info = OP_INFO.get(id(func)) or op_info(func)
         deps: list[OpNode] = []
-        rec_args = tuple([self._convert(a, deps) for a in args])
+        producers = self.producers
+        rec = []
+        for a in args:  # _convert, inlined for the common plain-tensor argument
+            if type(a) is torch.Tensor:
+                entry = producers.get(id(a))
+                if entry is not None and entry[0]() is a and a._version == entry[3]:
+                    deps.append(entry[1])
+                    rec.append(OutRef(entry[1], entry[2]))
+                else:
+                    rec.append(self.leaf(a))
+            else:
+                rec.append(self._convert(a, deps))
+        rec_args = tuple(rec)
         if kwargs:
             rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()}
         else:
@@ -110,7 +122,6 @@ class RegionRecorder(TorchDispatchMode):
 
         out = func(*args, **kwargs)
 
-        producers = self.producers
         outs = node.outs
         if type(out) is torch.Tensor:
             wr = weakref.ref(out)
@@ -133,7 +144,12 @@ class RegionRecorder(TorchDispatchMode):
                 else:
                     outs.append(None)
 
-        self._set_decision(node, self.decider(func, args, kwargs, out))
+        decision = self.decider(func, args, kwargs, out)
+        if decision.saves:
+            self._set_decision(node, decision)
+        else:  # _set_decision's path for a first decision that saves nothing
+            node.decision = decision
+            self.decisions.append(node)
         return out
 
     def _index_storages(self) -> None:

@@ -18,7 +18,12 @@ def unpack(packed: Any) -> torch.Tensor:
     value = node.value
     if value is not None and node.mutated_by is None:
         return value[packed.index]
-    with node.ctx.lock, torch.no_grad(), _autocast_off():
+    with node.ctx.lock:
+        if torch.is_grad_enabled() or _autocast_enabled():
+            with torch.no_grad(), _autocast_off():
+                return _materialize(node)[packed.index]
+        # Autograd's engine runs backward with grad mode off (unless create_graph): skip
+        # two context managers per unpack.
         return _materialize(node)[packed.index]
 
 
@@ -133,7 +138,7 @@ def _replay(node: OpNode) -> list[Any]:
         args, kwargs = _resolve_args(node)
     else:
         args, kwargs = tuple([_resolve(a) for a in node.args]), {}
-    info = OP_INFO[node.op]
+    info = OP_INFO[id(node.op)]
     if info.mutated:
         # Replay writes into copies: saved values, leaves and module buffers stay intact.
         args = list(args)
@@ -182,10 +187,14 @@ def _mutated_outputs(op: Any, args: tuple, kwargs: dict, outputs: list[Any],
     return extra[: n - len(outputs)]
 
 
+def _autocast_enabled() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 @contextlib.contextmanager
 def _autocast_off() -> Iterator[None]:
     # The recorded ops already carry autocast's casts; casting again would change dtypes.
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+    if not _autocast_enabled():
         yield
         return
     with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
