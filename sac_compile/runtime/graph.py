@@ -29,10 +29,13 @@ for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
-    __slots__ = ("op", "random", "mutated")
+    __slots__ = ("op", "call", "random", "mutated")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
+        # OpOverload.__call__ only forwards to its C++ builtin ``_op``: calling that
+        # directly saves a Python frame per op recorded or replayed.
+        self.call = getattr(op, "_op", op) if isinstance(op, torch._ops.OpOverload) else op
         tags = getattr(op, "tags", ())
         self.random = torch.Tag.nondeterministic_seeded in tags
         schema = getattr(op, "_schema", None)

@@ -120,7 +120,7 @@ class RegionRecorder(TorchDispatchMode):
         if info.random:
             node.rng = _capture_rng(args, kwargs)
 
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
 
         outs = node.outs
         if type(out) is torch.Tensor:

@@ -155,11 +155,11 @@ def _replay(node: OpNode) -> list[Any]:
         current = gen.get_state()
         gen.set_state(state)
         try:
-            out = node.op(*args, **kwargs)
+            out = info.call(*args, **kwargs)
         finally:
             gen.set_state(current)
     else:
-        out = node.op(*args, **kwargs)
+        out = info.call(*args, **kwargs)
     outputs = flat_outputs(out)
     if len(outputs) < len(node.outs):
         outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.outs)))
