@@ -187,7 +187,10 @@ def test_long_chain_needs_no_recursion_and_no_quadratic_forward():
         assert torch.isfinite(x.grad).all()
     finally:
         sys.setrecursionlimit(limit)
-    assert t_big / t_small < 25  # 10x the ops: linear is ~10x, quadratic ~100x
+    # 10x the ops: linear is ~10x, quadratic ~100x. Even a plain autograd chain without
+    # checkpointing costs up to 2-3x more per op at 20,000 ops than at 2,000 on a shared
+    # 2-core machine (memory growth), so the bound sits between those, well below 100x.
+    assert t_big / t_small < 45
 
 
 @pytest.mark.slow

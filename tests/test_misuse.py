@@ -54,6 +54,37 @@ def test_policy_comparing_a_packet_decides_nothing_and_warns_once():
         block(x, w).sum().backward()  # once per policy
 
 
+def test_policy_comparing_a_packet_warns_under_compile_too():
+    def packet_policy(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op == aten.mm else CP.PREFER_RECOMPUTE
+
+    @sc.sac_region(packet_policy, name="cblock")
+    def block(x, w):
+        return (x @ w).sin()
+
+    x, w = _xw()
+    f = _compiled(lambda x, w: block(x, w))
+    with pytest.warns(UserWarning, match=re.escape(
+            "the policy 'packet_policy' of region 'cblock' decided nothing for any of the "
+            "region's 2 ops (aten.mm.default, aten.sin.default)")):
+        f(x, w).sum().backward()
+
+
+def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile():
+    def tag_only(ctx, op, *args, **kwargs):
+        return None
+
+    @sc.sac_region(tag_only, name="tagged")
+    def block(x, w):
+        return sc.tag(x @ w, CP.MUST_SAVE).sin()
+
+    x, w = _xw()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", module="torch")
+        _compiled(lambda x, w: block(x, w))(x, w).sum().backward()
+
+
 def test_packet_in_an_op_list_policy_matches_every_overload():
     # The supported way to name a packet: a list (or save_ops) expands it.
     from sac_compile.eager import collect_stats

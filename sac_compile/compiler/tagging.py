@@ -12,6 +12,8 @@ the op created:
 * ``node.meta["sac_source"]``: ``policy`` | ``tag`` | ``name`` | ``default`` | ``resolution``;
 * ``node.meta["sac_call"]``: one id per dispatched op, shared by its decomposition and its
   ``getitem`` nodes, so that :mod:`.normalize` keeps them consistent;
+* ``node.meta["sac_op"]``: that dispatched op (``aten.gelu.default`` on the nodes of its
+  decomposition under Inductor);
 * ``node.meta["sac_ask"]``: what is needed to ask the policies again when ``name()``
   labels the output later (removed by :mod:`.normalize`);
 * ``node.meta["sac_region_id"]`` / ``["sac_outer_region_id"]``: the innermost and the
@@ -37,13 +39,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decision,
-                      Opinion, RegionFrame, SaveWithHooks, decide)
+from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
+                      Opinion, RegionFrame, SaveWithHooks, decide, warn_inert_policies)
 
 __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
            "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
 
-META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_ask",
+META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_op", "sac_ask",
              "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
              "sac_view_of")
 
@@ -107,6 +109,9 @@ class SACTaggingMode(TorchDispatchMode):
         self.frame = frame
         self.region_id = next(_region_ids)
         self.ac_graph_id: int | None = None  # set by torch's tag_activation_checkpoint
+        # The ops this region call decided, kept by the outermost of our active modes for
+        # the inert-policy warning when it exits (as the eager runtime does at region exit).
+        self.decided: list[DecidedOp] = []
 
     def __enter__(self) -> SACTaggingMode:
         _active().append(self)
@@ -121,8 +126,12 @@ class SACTaggingMode(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             stack = _active()
+            outermost = bool(stack) and stack[0] is self
             if self in stack:
                 stack.remove(self)
+            if outermost and exc[0] is None and self.decided:
+                decided, self.decided = self.decided, []
+                warn_inert_policies(decided)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
@@ -142,6 +151,9 @@ class SACTaggingMode(TorchDispatchMode):
                 node.meta["sac_marker_region"] = (stack[0].region_id, self.frame.name)
                 if node.target in _MARKER_OPS:
                     _check_marker(node)
+            if func is TAG_OP:  # a tag decides: the region's policies are not inert
+                frames = tuple(m.frame for m in stack)
+                stack[0].decided.append(DecidedOp(frames, func, _TAG_DECISION))
             return out
         frames = tuple(m.frame for m in stack)
         path = tuple(f.name for f in frames)
@@ -154,10 +166,12 @@ class SACTaggingMode(TorchDispatchMode):
             except CheckpointError as e:
                 reraise_compiled(e)
             ask = (frames, func, args, kwargs, out)
+            stack[0].decided.append(DecidedOp(frames, func, decision))
         call = next(_call_ids)
         for node in itertools.islice(reversed(graph.nodes), new):
             write_decision(node, decision, path)
             node.meta["sac_call"] = call
+            node.meta["sac_op"] = func  # the op the policies were asked about
             node.meta["sac_region_id"] = self.region_id
             node.meta["sac_outer_region_id"] = stack[0].region_id
             node.meta["ac_graph_id"] = self.ac_graph_id if self.ac_graph_id is not None \
@@ -272,6 +286,9 @@ def _name_fake(x: torch.Tensor, label: str) -> torch.Tensor:
 
 
 name_op.register_autograd(lambda ctx, grad: (grad, None))
+
+# What a tag() counts as for the inert-policy warning: an opinion from a tag.
+_TAG_DECISION = Decision(CheckpointPolicy.MUST_SAVE, source="tag")
 
 TAG_OP = torch.ops.sac_compile.tag_marker.default
 NAME_OP = torch.ops.sac_compile.name_marker.default

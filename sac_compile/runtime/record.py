@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..policy import (PREFER_RECOMPUTE, Decision, Opinion, RegionFrame, decide, make_decider,
-                      op_name)
+from ..policy import (Decision, Opinion, RegionFrame, decide, make_decider, op_name,
+                      warn_inert_policies)
 from .graph import (OP_INFO, LeafRef, OpNode, OutRef, ReplayContext, SavedHandle,
                     alias_for_saving, arg_at, flat_outputs, map_refs, nbytes, op_info,
                     storage_key)
@@ -265,7 +265,7 @@ class RegionRecorder(TorchDispatchMode):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
             _store_saved(node)
-        _warn_inert_policies(self.decisions)
+        warn_inert_policies(self.decisions)
         for stats in self.ctx.stats:
             stats.ops_recorded += self.nodes_recorded
             stats.saved.extend(records)
@@ -317,50 +317,6 @@ def _warn_offload_on_cpu(node: OpNode) -> None:
         else "the tensor is already on the CPU"
     warnings.warn(f"{node.decision.label} for {node.describe()}: {why}, so CPU offload is a "
                   f"plain save (warned once). Use MUST_SAVE/PREFER_SAVE to say so", stacklevel=2)
-
-
-# Policies already checked by _warn_inert_policies (each is checked on its first region call).
-_CHECKED_POLICIES: weakref.WeakSet = weakref.WeakSet()
-
-
-def _unchecked(policy: Any) -> bool:
-    try:
-        weakref.ref(policy)
-    except TypeError:  # not weak-referenceable: never checked
-        return False
-    return policy not in _CHECKED_POLICIES
-
-
-def _warn_inert_policies(nodes: Sequence[OpNode]) -> None:
-    """Warn once per policy function whose region ran ops but which decided nothing: every
-    op of its region ended PREFER_RECOMPUTE. Usually it compares ``op`` with a packet
-    (``op == torch.ops.aten.mm``) while it is called with overloads (``aten.mm.default``)."""
-    from ..policy import NamedPolicy
-    counts: dict[int, list[Any]] = {}
-    last = None
-    for node in nodes:
-        if node.frames is not last:
-            last = node.frames
-            fresh = [f for f in last
-                     if not isinstance(f.policy, NamedPolicy) and _unchecked(f.policy)]
-        for frame in fresh:
-            entry = counts.setdefault(id(frame.policy), [frame, 0, set(), False])
-            entry[1] += 1
-            entry[2].add(op_name(node.op))
-            if node.decision.policy is not PREFER_RECOMPUTE or node.decision.source == "tag":
-                entry[3] = True
-    for key, (frame, n, ops, decided) in counts.items():
-        _CHECKED_POLICIES.add(frame.policy)
-        if decided or not n:
-            continue
-        some = ", ".join(sorted(ops)[:4]) + (", ..." if len(ops) > 4 else "")
-        warnings.warn(
-            f"the policy {getattr(frame.policy, '__name__', frame.policy)!r} of region "
-            f"{frame.name!r} decided nothing for any of the region's {n} ops ({some}): every "
-            f"one is PREFER_RECOMPUTE, as with 'recompute_all'. A policy is called with op "
-            f"overloads such as torch.ops.aten.mm.default; if it compares with a packet "
-            f"(op == torch.ops.aten.mm), compare op.overloadpacket or list the overload "
-            f"(warned once per policy)", stacklevel=2)
 
 
 def _offload(v: Any) -> Any:

@@ -451,7 +451,9 @@ def _capture_decisions(decisions: list):
         for n in gm.graph.nodes:
             d = n.meta.get("sac_decision")
             if n.op == "call_function" and d is not None:
-                decisions.append((str(n.target), d.policy.name))
+                # The op the policy was asked about: under Inductor, gelu's decomposition
+                # nodes (mul, add, erf, ...) all carry gelu's decision.
+                decisions.append((str(n.meta.get("sac_op", n.target)), d.policy.name))
         return counts
 
     partition.normalize_tags = capturing
