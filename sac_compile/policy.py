@@ -346,6 +346,13 @@ def decide(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: dict, ou
     return resolve_decision(op, votes)
 
 
+def foreign_tensor_message(what: str, region: str) -> str:
+    """The error for ``tag()``/``name()`` in a region on a tensor no op of it produced."""
+    return (f"{what} in region {region!r} got a tensor that no op of the region produced (an "
+            f"input, a parameter, or a value from outside); apply it to the output of the op "
+            f"you mean, inside the region")
+
+
 # --------------------------------------------------------------------------------------
 # The inert-policy warning (both modes)
 # --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import eager
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
-                     SaveWithHooks, coerce_opinion, normalize_policy)
+                     SaveWithHooks, coerce_opinion, foreign_tensor_message, normalize_policy)
 
 T = TypeVar("T")
 
@@ -138,7 +138,4 @@ def _redecide(what: str, tensor: torch.Tensor, *, tag: Opinion | None = None,
         # checkpointed: the same model code runs with and without regions, as in JAX.
         return
     if not recorder.redecide(tensor, tag=tag, label=label):
-        raise CheckpointError(
-            f"{what} in region {recorder.frames[-1].name!r} got a tensor that no op of the "
-            f"region produced (an input, a parameter, or a value from outside); apply it to "
-            f"the output of the op you mean, inside the region")
+        raise CheckpointError(foreign_tensor_message(what, recorder.frames[-1].name))

@@ -159,23 +159,14 @@ def program(x, y, w, b, idx, buf, rm, rv):
 """
 
 
-def test_tag_outside_any_region_is_a_no_op_under_compile_too():
-    # Under compile the tag marker outside every region used to fold into the producer's
-    # decision (aten.sin in R1 became MUST_SAVE); now it is a no-op, as in eager.
-    outcome = harness.check(CASE_TAG_OUTSIDE, modes=("eager", "compile"))
-    assert outcome.status == "ok"
-
-
-def test_name_outside_any_region_is_a_no_op_under_compile_too():
-    # ... and name() there used to raise CompiledCheckpointError.
-    outcome = harness.check(CASE_NAME_OUTSIDE, modes=("eager", "compile"))
-    assert outcome.status == "ok"
-
-
-def test_tag_with_unused_result_applies_under_compile_too():
-    # The marker used to be dead code that dynamo dropped, losing the MUST_SAVE under
-    # compile; markers are now side-effectful for FX dead-code elimination.
-    outcome = harness.check(CASE_DEAD_TAG, modes=("eager", "compile"))
+# Each used to differ between the modes: under compile, a tag outside every region folded
+# into the producer's decision (aten.sin in R1 became MUST_SAVE); a name() there raised
+# CompiledCheckpointError; a tag whose result is unused was dead code that dynamo dropped,
+# losing its MUST_SAVE. Markers now carry their region and are side-effectful for FX DCE.
+@pytest.mark.parametrize("case", [CASE_TAG_OUTSIDE, CASE_NAME_OUTSIDE, CASE_DEAD_TAG],
+                         ids=["tag-outside-regions", "name-outside-regions", "unused-result"])
+def test_tag_placement_agrees_with_eager_under_compile(case):
+    outcome = harness.check(case, modes=("eager", "compile"))
     assert outcome.status == "ok"
 
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide,
                       op_name, resolve_decision)
 from .costs import is_view
-from .tagging import (NAME_OP, TAG_OP, decode_opinion, foreign_tensor_message, reraise_compiled,
+from .tagging import (NAME_OP, TAG_OP, decode_opinion, marker_producer, reraise_compiled,
                       write_decision)
 
 __all__ = ["normalize_tags", "remove_markers", "decision_of", "TORCH_REGION"]
@@ -71,14 +71,12 @@ def _normalize(gm: fx.GraphModule) -> dict[str, int]:
             by_call[call].append(node)
         if node.target is TAG_OP or node.target is NAME_OP:
             src = node.args[0]
-            producer = src.args[0] if src.target is operator.getitem else src
-            where = node.meta.get("sac_marker_region")
-            if where is None:
+            producer = marker_producer(node)
+            if "sac_marker_region" not in node.meta:
                 # Outside every region of ours nothing is checkpointed: a no-op, as in eager.
+                # (A marker on a tensor from outside its region already raised while
+                # tracing, in tagging._check_marker.)
                 pass
-            elif producer.meta.get("sac_outer_region_id") != where[0]:
-                what = "tag()" if node.target is TAG_OP else "name()"
-                raise CheckpointError(foreign_tensor_message(what, where[1]))
             elif node.target is TAG_OP:
                 tags[producer] = decode_opinion(node.args[1])
             else:

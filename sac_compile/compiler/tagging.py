@@ -32,6 +32,7 @@ one traced outside every region carries nothing and is a no-op, as in eager mode
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from typing import Any
 
@@ -40,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
-                      Opinion, RegionFrame, SaveWithHooks, decide, warn_inert_policies)
+                      Opinion, RegionFrame, SaveWithHooks, decide, foreign_tensor_message,
+                      warn_inert_policies)
 
 __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
            "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
@@ -181,15 +183,20 @@ class SACTaggingMode(TorchDispatchMode):
         return out
 
 
+def marker_producer(marker: torch.fx.Node) -> torch.fx.Node:
+    """The node whose decision a tag()/name() marker is about: through other markers
+    (``tag(name(y, ...), ...)``) and ``getitem`` to the op that produced the value."""
+    src = marker.args[0]
+    while src.target in _MARKER_OPS:
+        src = src.args[0]
+    return src.args[0] if src.target is operator.getitem else src
+
+
 def _check_marker(marker: torch.fx.Node) -> None:
     """Raise at the tag()/name() call, as eager does, what :mod:`.normalize` would raise
     for it later: a foreign tensor, or a conflict the tag or label creates. Raising here
     keeps the order of errors the same as in eager (the first error in program order)."""
-    import operator
-    src = marker.args[0]
-    while src.target in _MARKER_OPS:  # tag(name(y, ...), ...): still y's producer
-        src = src.args[0]
-    producer = src.args[0] if src.target is operator.getitem else src
+    producer = marker_producer(marker)
     outer, region = marker.meta["sac_marker_region"]
     what = "tag()" if marker.target is TAG_OP else "name()"
     if producer.meta.get("sac_outer_region_id") != outer:
@@ -209,12 +216,6 @@ def _check_marker(marker: torch.fx.Node) -> None:
                tag_region=producer.meta["sac_region_path"][-1])
     except CheckpointError as e:
         reraise_compiled(e)
-
-
-def foreign_tensor_message(what: str, region: str) -> str:
-    return (f"{what} in region {region!r} got a tensor that no op of the region produced (an "
-            f"input, a parameter, or a value from outside); apply it to the output of the op "
-            f"you mean, inside the region")
 
 
 def write_decision(node: torch.fx.Node, decision: Decision, path: tuple[str, ...]) -> None:
