@@ -45,6 +45,8 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     if recorder is not None:
         outer = recorder.frames
         recorder.frames = outer + (frame,)
+        if allow_cache_entry_mutation:  # applies to the values this inner region saves
+            recorder.allowing_frames.add(id(frame))
         try:
             yield
         finally:

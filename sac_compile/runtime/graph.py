@@ -25,11 +25,20 @@ for _name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
     if _packet is not None and hasattr(_packet, "default"):
         _HIDDEN_MUTATIONS[_packet.default] = (3, 4)
 
+# Ops that write into an argument without bumping its version counter (no
+# ADInplaceOrView kernel). Autograd saves that argument *before* the op fills it and
+# reads it afterwards, so a handle packed for it must follow the write.
+_NO_VERSION_BUMP: set[Any] = set(_HIDDEN_MUTATIONS)
+for _name in ("rrelu_with_noise",):
+    _packet = getattr(torch.ops.aten, _name, None)
+    if _packet is not None:
+        _NO_VERSION_BUMP.update(getattr(_packet, o) for o in _packet.overloads())
+
 
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
-    __slots__ = ("op", "call", "random", "mutated")
+    __slots__ = ("op", "call", "random", "mutated", "bumps_version")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -46,6 +55,7 @@ class OpInfo:
                     mutated.append(i if not arg.kwarg_only else -1 - i)
         mutated.extend(_HIDDEN_MUTATIONS.get(op, ()))
         self.mutated = tuple(mutated)
+        self.bumps_version = op not in _NO_VERSION_BUMP
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -63,7 +73,8 @@ def op_info(op: Any) -> OpInfo:
 class ReplayContext:
     """What replay needs from the region, kept small: nodes point here, not to the recorder."""
 
-    __slots__ = ("name", "allow_cache_entry_mutation", "stats", "lock", "__weakref__")
+    __slots__ = ("name", "allow_cache_entry_mutation", "stats", "lock", "default_dtype",
+                 "__weakref__")
 
     def __init__(self, name: str, allow_cache_entry_mutation: bool,
                  stats: tuple[EagerStats, ...]) -> None:
@@ -71,17 +82,41 @@ class ReplayContext:
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         self.stats = stats
         self.lock = threading.RLock()
+        # Factory ops without a dtype follow the default dtype: replay under the one the
+        # forward saw, whatever the program set in between.
+        self.default_dtype = torch.get_default_dtype()
 
 
 class LeafRef:
     """A tensor from outside the recorded ops (an input, a parameter, or a value whose
-    identity was lost to a mutation through an alias). Snapshot before it is mutated."""
+    identity was lost to a mutation through an alias). Snapshot before the region mutates
+    it; ``version`` catches a mutation after the region, which no snapshot can see."""
 
-    __slots__ = ("value", "snapshot")
+    __slots__ = ("value", "snapshot", "version", "is_parameter")
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, value: torch.Tensor, is_parameter: bool = False) -> None:
         self.value = value
         self.snapshot = False
+        # Inference tensors have no version counter (and cannot be mutated outside
+        # inference mode, so there is nothing to check).
+        self.version = None if value.is_inference() else value._version
+        self.is_parameter = is_parameter
+
+    def stale(self) -> bool:
+        return not self.snapshot and self.version is not None and \
+            self.value._version != self.version
+
+
+class ForeignSaved:
+    """A tensor autograd saved that the region did not produce (a parameter, a buffer, an
+    input). Saved-tensor hooks turn off autograd's own version check; this restores it."""
+
+    __slots__ = ("value", "version", "region")
+
+    def __init__(self, value: torch.Tensor, region: str) -> None:
+        self.value = value
+        self.version = None if value.is_inference() else value._version
+        self.region = region
 
 
 class OutRef:
@@ -96,7 +131,7 @@ class OutRef:
 
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
-                 "outs", "rng", "packed", "mutated_by", "seq",
+                 "versions", "outs", "rng", "packed", "mutated_by", "seq",
                  "names", "tag", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
@@ -110,6 +145,9 @@ class OpNode:
         self.seq = seq
         self.decision: Decision | None = None
         self.value: list[Any] | None = None     # outputs, when saved or recomputed
+        # While ``value`` aliases tensors the program holds (a saved output, a live forward
+        # output), their versions then: the program may mutate them before backward.
+        self.versions: list[int | None] | None = None
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output.
         self.outs: list[tuple[Any, int, Any, Any] | None] = []
@@ -177,16 +215,36 @@ def flat_outputs(out: Any) -> list[Any]:
     return [out]
 
 
-def map_refs(a: Any, out_value: Any) -> Any:
+def map_refs(a: Any, out_value: Any, leaf_value: Any = None) -> Any:
     """``a`` (an argument as recorded) with each ``OutRef`` replaced by ``out_value(ref)``
-    and each ``LeafRef`` by its tensor; lists and tuples of them likewise."""
+    and each ``LeafRef`` by ``leaf_value(ref)`` (default: its tensor); lists and tuples of
+    them likewise."""
     t = type(a)
     if t is OutRef:
         return out_value(a)
     if t is LeafRef:
-        return a.value
+        return a.value if leaf_value is None else leaf_value(a)
     if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
-        vals = [map_refs(x, out_value) for x in a]
+        vals = [map_refs(x, out_value, leaf_value) for x in a]
         return vals if t is list else tuple(vals)
     return a
+
+
+def mutated_tensors(args: tuple, kwargs: dict, func: Any, info: OpInfo) -> list[torch.Tensor]:
+    """The tensors an op writes into, lists (``Tensor(a!)[]``, foreach ops) flattened."""
+    out: list[torch.Tensor] = []
+    for i in info.mutated:
+        m = arg_at(args, kwargs, func, i)
+        if isinstance(m, torch.Tensor):
+            out.append(m)
+        elif isinstance(m, (list, tuple)):
+            out.extend(x for x in m if isinstance(x, torch.Tensor))
+    return out
+
+
+def tensor_text(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"a {tuple(t.shape)} {dtype} tensor"
 

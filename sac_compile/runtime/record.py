@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..policy import (Decision, Opinion, RegionFrame, decide, make_decider, op_name,
                       warn_inert_policies)
-from .graph import (OP_INFO, LeafRef, OpNode, OutRef, ReplayContext, SavedHandle,
-                    alias_for_saving, arg_at, flat_outputs, map_refs, nbytes, op_info,
-                    storage_key)
+from .graph import (_NON_DIFF_DTYPES, OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef,
+                    ReplayContext, SavedHandle, flat_outputs, map_refs, mutated_tensors,
+                    nbytes, op_info, storage_key)
 from .stats import SavedValueRecord, active_stats
 
 class RegionRecorder(TorchDispatchMode):
@@ -32,9 +32,29 @@ class RegionRecorder(TorchDispatchMode):
         self.leaves_by_storage: dict[int, list[LeafRef]] | None = None
         self.saved_by_storage: dict[int, list[OpNode]] | None = None
         self.handles: list[SavedHandle] = []
+        # Nested regions created with allow_cache_entry_mutation=True (by id of frame).
+        self.allowing_frames: set[int] = set()
         self.nodes_recorded = 0
         self.decisions: list[OpNode] = []
         self.suspended = False
+        self.caller_dispatch_keys: Any = None
+
+    def __enter__(self) -> RegionRecorder:
+        # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
+        # an alias with a fresh version counter, blind to the program's later in-place
+        # ops. Detaching under the caller's keys shares the counter, as autograd's does.
+        self.caller_dispatch_keys = (torch._C._dispatch_tls_local_include_set(),
+                                     torch._C._dispatch_tls_local_exclude_set())
+        return super().__enter__()
+
+    def _alias(self, t: torch.Tensor, saving: bool) -> torch.Tensor:
+        """A detached alias of ``t`` that shares its version counter."""
+        if saving and not _needs_detach(t):
+            return t
+        if not saving and not t.requires_grad:
+            return t
+        with torch._C._ForceDispatchKeyGuard(*self.caller_dispatch_keys):
+            return t.detach()
 
     @property
     def frames(self) -> tuple[RegionFrame, ...]:
@@ -57,7 +77,7 @@ class RegionRecorder(TorchDispatchMode):
         entry = self.leaves.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
-        ref = LeafRef(t.detach() if t.requires_grad else t)
+        ref = LeafRef(self._alias(t, saving=False), type(t) is torch.nn.Parameter)
         self.leaves[id(t)] = (weakref.ref(t), ref)
         if self.leaves_by_storage is not None:
             self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
@@ -88,7 +108,9 @@ class RegionRecorder(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.suspended:
+        if self.suspended or torch.is_inference_mode_enabled():
+            # An inference_mode block inside a region: its outputs can never be saved for
+            # backward, so there is nothing to record; later ops read them as leaves.
             return func(*args, **(kwargs or {}))
         info = OP_INFO.get(id(func)) or op_info(func)
         deps: list[OpNode] = []
@@ -109,10 +131,12 @@ class RegionRecorder(TorchDispatchMode):
             rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()}
         else:
             kwargs = rec_kwargs = {}
-        mutated = [arg_at(args, kwargs, func, i) for i in info.mutated] if info.mutated else ()
+        mutated = mutated_tensors(args, kwargs, func, info) if info.mutated else ()
+        prior = None
         for m in mutated:
-            if isinstance(m, torch.Tensor):
-                self._before_mutation(m, func)
+            self._before_mutation(m, func)
+        if mutated and not info.bumps_version:
+            prior = [self.lookup(m) for m in mutated]
 
         node = OpNode(func, rec_args, rec_kwargs, deps, self.frames, self.ctx,
                       self.nodes_recorded)
@@ -123,26 +147,29 @@ class RegionRecorder(TorchDispatchMode):
         out = info.call(*args, **kwargs)
 
         outs = node.outs
-        if type(out) is torch.Tensor:
+        bump = 1 if info.bumps_version else 0
+        if type(out) is torch.Tensor and not mutated:
             wr = weakref.ref(out)
-            version = out._version + (1 if mutated and any(m is out for m in mutated) else 0)
+            version = out._version
             producers[id(out)] = (wr, node, 0, version)
             outs.append((wr, version, out.shape, out.dtype))
         else:
             outputs = flat_outputs(out)
             # Arguments mutated but not returned are outputs too: later ops read them.
             for m in mutated:
-                if isinstance(m, torch.Tensor) and not any(m is o for o in outputs):
+                if not any(m is o for o in outputs):
                     outputs.append(m)
             for i, t in enumerate(outputs):
                 if isinstance(t, torch.Tensor):
                     # An in-place op's version bump happens after the mode returns.
-                    version = t._version + (1 if any(m is t for m in mutated) else 0)
+                    version = t._version + (bump if any(m is t for m in mutated) else 0)
                     wr = weakref.ref(t)
                     producers[id(t)] = (wr, node, i, version)
                     outs.append((wr, version, t.shape, t.dtype))
                 else:
                     outs.append(None)
+            if prior is not None:
+                self._follow_unversioned_write(node, mutated, prior, outputs)
 
         decision = self.decider(func, args, kwargs, out)
         if decision.saves:
@@ -178,10 +205,34 @@ class RegionRecorder(TorchDispatchMode):
         for node in self.saved_by_storage.get(key, ()):
             if node.value is None:
                 continue
-            if self.ctx.allow_cache_entry_mutation:
+            if self._allows_mutation(node):
                 node.value = [v.clone() if isinstance(v, torch.Tensor) else v for v in node.value]
+                node.versions = None
+            elif not node.decision.is_must:
+                # A PREFER_SAVE is a preference: recomputing the pre-mutation value is
+                # right, keeping a copy would cost memory the policy did not ask for.
+                node.value = node.versions = None
             elif node.mutated_by is None:
                 node.mutated_by = op_name(func)
+
+    def _allows_mutation(self, node: OpNode) -> bool:
+        if self.ctx.allow_cache_entry_mutation:
+            return True
+        allowing = self.allowing_frames
+        return bool(allowing) and any(id(f) in allowing for f in node.frames)
+
+    def _follow_unversioned_write(self, node: OpNode, mutated: Sequence[torch.Tensor],
+                                  prior: list, outputs: list) -> None:
+        """An op that writes into an argument without bumping its version (rrelu's
+        ``noise``): autograd packed that argument before the write and reads the written
+        value in backward, so handles to the old value follow the write."""
+        for m, found in zip(mutated, prior):
+            if found is None:
+                continue
+            index = next(i for i, o in enumerate(outputs) if o is m)
+            for handle in self.handles:
+                if handle.node is found[0] and handle.index == found[1]:
+                    handle.node, handle.index = node, index
 
     def _set_decision(self, node: OpNode, decision: Decision) -> None:
         first = node.decision is None
@@ -197,11 +248,15 @@ class RegionRecorder(TorchDispatchMode):
                     # saved, so the op is recomputed when backward needs it.
                     values = []
                     break
-                values.append(alias_for_saving(t) if t is not None else None)
+                values.append(self._alias(t, saving=True) if t is not None else None)
             node.value = values or None
+            # The versions the outputs have once the op returns (an in-place op's bump
+            # comes after the mode).
+            node.versions = [f[1] if f is not None else None
+                             for f in node.outs] if values else None
             self._index_saved(node)
         elif was_saved and not decision.saves:
-            node.value = None
+            node.value = node.versions = None
         if first:
             self.decisions.append(node)
 
@@ -237,10 +292,10 @@ class RegionRecorder(TorchDispatchMode):
             if t.grad_fn is not None:
                 self.suspended = True
                 try:
-                    return t.detach()  # a tensor with history: no cycle through our storage
+                    t = t.detach()  # a tensor with history: no cycle through our storage
                 finally:
                     self.suspended = False
-            return t
+            return ForeignSaved(t, self.frames[-1].name)
         handle = SavedHandle(found[0], found[1])
         self.handles.append(handle)
         return handle
@@ -257,8 +312,9 @@ class RegionRecorder(TorchDispatchMode):
                 continue
             if id(node) not in needed or node.value is None:
                 # Saved by policy but no backward asks for it; or a late tag asked to save
-                # an output that had already died, so the op stays recomputable.
-                node.value = None
+                # an output that had already died, or a PREFER_SAVE value the region
+                # mutated, so the op stays recomputable.
+                node.value = node.versions = None
                 continue
             records.extend(_saved_records(node, seen))
             if all(v is not None for v in node.value):
@@ -278,6 +334,12 @@ class RegionRecorder(TorchDispatchMode):
 
 
 
+def _needs_detach(t: torch.Tensor) -> bool:
+    # As graph.alias_for_saving: integer/bool tensors that are not views are kept as they
+    # are; float tensors as detached aliases, so saving them makes no autograd cycle.
+    return not (t.dtype in _NON_DIFF_DTYPES and not t._is_view())
+
+
 def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
     """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed."""
     needed: dict[int, OpNode] = {}
@@ -287,7 +349,7 @@ def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
         if id(node) in needed:
             continue
         needed[id(node)] = node
-        if not (node.decision is not None and node.decision.saves):
+        if not (node.decision is not None and node.decision.saves and node.value is not None):
             stack.extend(node.deps)
     return needed
 
@@ -298,13 +360,17 @@ def _store_saved(node: OpNode) -> None:
     if decision.hooks is not None:
         node.packed = [decision.hooks.pack(v) if isinstance(v, torch.Tensor) else v
                        for v in node.value]
-        node.value = None
     elif decision.offloads:
         if not _WARNED_OFFLOAD_ON_CPU and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
                                               for v in node.value):
             _warn_offload_on_cpu(node)
         node.packed = [_offload(v) for v in node.value]
-        node.value = None
+    else:
+        return
+    node.value = None
+    # A packed tensor may still alias the program's (an identity pack, a CPU "offload").
+    node.versions = [p._version if isinstance(p, torch.Tensor) and not p.is_inference()
+                     else None for p in node.packed]
 
 
 _WARNED_OFFLOAD_ON_CPU = False

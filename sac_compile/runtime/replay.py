@@ -8,23 +8,79 @@ from typing import Any
 import torch
 
 from ..policy import CheckpointError, op_name
-from .graph import (OP_INFO, OpNode, OutRef, SavedHandle, alias_for_saving, arg_at,
-                    flat_outputs, map_refs, op_info)
+from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, SavedHandle,
+                    alias_for_saving, flat_outputs, map_refs, mutated_tensors,
+                    op_info, tensor_text)
+
 
 def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is not SavedHandle:
+        if type(packed) is ForeignSaved:
+            return _unpack_foreign(packed)
         return packed
     node = packed.node
     value = node.value
     if value is not None and node.mutated_by is None:
+        versions = node.versions
+        if versions is not None and value[packed.index]._version != versions[packed.index]:
+            raise _mutated_after_region(node, packed.index)
         return value[packed.index]
-    with node.ctx.lock:
+    ctx = node.ctx
+    with ctx.lock:
+        if torch.get_default_dtype() != ctx.default_dtype:
+            with _default_dtype(ctx.default_dtype):
+                return unpack(packed)
         if torch.is_grad_enabled() or _autocast_enabled():
             with torch.no_grad(), _autocast_off():
                 return _materialize(node)[packed.index]
         # Autograd's engine runs backward with grad mode off (unless create_graph): skip
         # two context managers per unpack.
         return _materialize(node)[packed.index]
+
+
+def _unpack_foreign(saved: ForeignSaved) -> torch.Tensor:
+    t = saved.value
+    if saved.version is not None and t._version != saved.version:
+        grad_fn = torch._C._current_autograd_node()
+        op = f"the backward of {grad_fn.name()}" if grad_fn is not None else "backward"
+        what = "a parameter" if isinstance(t, torch.nn.Parameter) else \
+            "a tensor from outside the region (an input, a parameter or a buffer)"
+        raise CheckpointError(
+            f"{op} in region {saved.region!r} needs {tensor_text(t)}, {what}, that autograd "
+            f"saved in the forward at version {saved.version}; it was modified in place since "
+            f"(now version {t._version}), so its gradient would be computed from the new "
+            f"value. Run backward before modifying it (e.g. before optimizer.step()), or use an "
+            f"out-of-place update (h = h + f(h) instead of h += f(h)); plain autograd raises "
+            f"here too")
+    return t
+
+
+def _mutated_after_region(node: OpNode, index: int) -> CheckpointError:
+    t = node.value[index] if node.value is not None else node.packed[index]
+    return CheckpointError(
+        f"output {index} of {node.describe()}, {tensor_text(t)} the policy saved for "
+        f"backward, was modified in place after the region returned it (version "
+        f"{node.versions[index]} -> {t._version}), so backward would use the modified "
+        f"value. Clone it before modifying it (y = y.clone()), use an out-of-place op "
+        f"(y = y + ... instead of y += ...), or make the policy recompute "
+        f"{op_name(node.op)} (a mutation after the region cannot be allowed with "
+        f"allow_cache_entry_mutation)")
+
+
+def _stale_leaf(node: OpNode, leaf: LeafRef) -> CheckpointError:
+    position = next((i for i, a in enumerate(node.args)
+                     if a is leaf or (isinstance(a, (list, tuple)) and any(x is leaf for x in a))),
+                    None)
+    where = f"argument {position}" if position is not None else "an argument"
+    what = "a parameter" if leaf.is_parameter else \
+        "a tensor from outside the region (an input or a buffer)"
+    return CheckpointError(
+        f"recomputing {node.describe()} needs {where}, {tensor_text(leaf.value)}, {what}; it "
+        f"was modified in place after the region read it (version {leaf.version} -> "
+        f"{leaf.value._version}), so the recompute would see the new value. Use an "
+        f"out-of-place update (h = h + block(h) instead of h += block(h)), clone it before "
+        f"modifying it, or make the policy save {op_name(node.op)} (MUST_SAVE) so backward "
+        f"does not recompute it")
 
 
 def _materialize(target: OpNode) -> list[Any]:
@@ -93,11 +149,18 @@ def _live_forward_outputs(node: OpNode) -> list[Any] | None:
         if t is None or t._version != facts[1]:
             return None
         values.append(alias_for_saving(t))
+    node.versions = [f[1] if f is not None else None for f in node.outs]
     return values
 
 
 def _restore_packed(node: OpNode) -> list[Any]:
     hooks = node.decision.hooks
+    versions = node.versions
+    if versions is not None:
+        for i, p in enumerate(node.packed):
+            if versions[i] is not None and p._version != versions[i]:
+                raise _mutated_after_region(node, i)
+        node.versions = None
     values = []
     for i, p in enumerate(node.packed):
         if hooks is not None and node.outs[i] is not None:
@@ -120,47 +183,80 @@ def _restore_packed(node: OpNode) -> list[Any]:
 
 
 def _recomputed_value(ref: OutRef) -> Any:
-    return ref.node.value[ref.index]
+    node = ref.node
+    versions = node.versions
+    if versions is not None and node.value[ref.index]._version != versions[ref.index]:
+        raise _mutated_after_region(node, ref.index)
+    return node.value[ref.index]
 
 
-def _resolve(a: Any) -> Any:
-    return map_refs(a, _recomputed_value)
+class _LeafReader:
+    """Reads the leaves of one replayed node, checking each was not modified since."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: OpNode) -> None:
+        self.node = node
+
+    def __call__(self, leaf: LeafRef) -> torch.Tensor:
+        if leaf.stale():
+            raise _stale_leaf(self.node, leaf)
+        return leaf.value
+
+
+def _resolve(a: Any, leaf_value: Any = None) -> Any:
+    return map_refs(a, _recomputed_value, leaf_value)
 
 
 def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
-    args = tuple([_resolve(a) for a in node.args])
-    kwargs = {k: _resolve(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+    read = _LeafReader(node)
+    args = tuple([_resolve(a, read) for a in node.args])
+    kwargs = {k: _resolve(v, read) for k, v in node.kwargs.items()} if node.kwargs else {}
     return args, kwargs
 
 
+def _copy_mutated(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    if isinstance(a, (list, tuple)):
+        return type(a)(x.clone() if isinstance(x, torch.Tensor) else x for x in a)
+    return a
+
+
+def _call(node: OpNode, info: Any, args: tuple, kwargs: dict) -> Any:
+    if node.rng is None:
+        return info.call(*args, **kwargs)
+    gen, state = node.rng
+    current = gen.get_state()
+    gen.set_state(state)
+    try:
+        return info.call(*args, **kwargs)
+    finally:
+        gen.set_state(current)
+
+
 def _replay(node: OpNode) -> list[Any]:
-    if node.kwargs:
-        args, kwargs = _resolve_args(node)
-    else:
-        args, kwargs = tuple([_resolve(a) for a in node.args]), {}
+    args, kwargs = _resolve_args(node)
     info = OP_INFO[id(node.op)]
     if info.mutated:
         # Replay writes into copies: saved values, leaves and module buffers stay intact.
         args = list(args)
         for i in info.mutated:
-            if i >= 0 and i < len(args) and isinstance(args[i], torch.Tensor):
-                args[i] = args[i].clone()
-            elif i < 0 or i >= len(args):
+            if i >= 0 and i < len(args):
+                args[i] = _copy_mutated(args[i])
+            else:
                 name = node.op._schema.arguments[i if i >= 0 else -1 - i].name
-                if isinstance(kwargs.get(name), torch.Tensor):
-                    kwargs[name] = kwargs[name].clone()
+                if name in kwargs:
+                    kwargs[name] = _copy_mutated(kwargs[name])
         args = tuple(args)
-    if node.rng is not None:
-        gen, state = node.rng
-        current = gen.get_state()
-        gen.set_state(state)
-        try:
-            out = info.call(*args, **kwargs)
-        finally:
-            gen.set_state(current)
-    else:
-        out = info.call(*args, **kwargs)
+    out = _call(node, info, args, kwargs)
     outputs = flat_outputs(out)
+    if not info.mutated and not torch.is_grad_enabled() and any(
+            o is None and f is not None for o, f in zip(outputs, node.outs)):
+        # Some kernels return an output only with grad mode on (mkldnn_rnn_layer's
+        # workspace, which its backward needs); replay the op as the forward ran it.
+        with torch.enable_grad():
+            outputs = flat_outputs(_call(node, info, args, kwargs))
     if len(outputs) < len(node.outs):
         outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.outs)))
     for i, (t, facts) in enumerate(zip(outputs, node.outs)):
@@ -179,12 +275,19 @@ def _replay(node: OpNode) -> list[Any]:
 
 def _mutated_outputs(op: Any, args: tuple, kwargs: dict, outputs: list[Any],
                      n: int) -> list[Any]:
-    extra = []
-    for i in op_info(op).mutated:
-        m = arg_at(args, kwargs, op, i)
-        if isinstance(m, torch.Tensor) and not any(m is o for o in outputs):
-            extra.append(m)
+    extra = [m for m in mutated_tensors(args, kwargs, op, op_info(op))
+             if not any(m is o for o in outputs)]
     return extra[: n - len(outputs)]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    current = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(current)
 
 
 def _autocast_enabled() -> bool:
