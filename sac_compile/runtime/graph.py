@@ -38,7 +38,7 @@ for _name in ("rrelu_with_noise",):
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
-    __slots__ = ("op", "call", "random", "mutated", "bumps_version")
+    __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -49,13 +49,18 @@ class OpInfo:
         self.random = torch.Tag.nondeterministic_seeded in tags
         schema = getattr(op, "_schema", None)
         mutated: list[int] = []
+        writes_lists = False
         if schema is not None and schema.is_mutable:
             for i, arg in enumerate(schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     mutated.append(i if not arg.kwarg_only else -1 - i)
+                    writes_lists = writes_lists or isinstance(arg.type, torch.ListType)
         mutated.extend(_HIDDEN_MUTATIONS.get(op, ()))
         self.mutated = tuple(mutated)
         self.bumps_version = op not in _NO_VERSION_BUMP
+        # Ops writing Tensor(a!)[] (foreach, fused optimizers) bump versions without a
+        # dispatch mode and none with one (torch 2.13): bump as the program would have.
+        self.bump_ourselves = writes_lists and self.bumps_version
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for

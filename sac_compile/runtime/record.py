@@ -75,8 +75,8 @@ class RegionRecorder(TorchDispatchMode):
 
     def leaf(self, t: torch.Tensor) -> LeafRef:
         entry = self.leaves.get(id(t))
-        if entry is not None and entry[0]() is t:
-            return entry[1]
+        if entry is not None and entry[0]() is t and not entry[1].snapshot:
+            return entry[1]  # a snapshot holds the value before a mutation, not this one
         ref = LeafRef(self._alias(t, saving=False), type(t) is torch.nn.Parameter)
         self.leaves[id(t)] = (weakref.ref(t), ref)
         if self.leaves_by_storage is not None:
@@ -145,9 +145,11 @@ class RegionRecorder(TorchDispatchMode):
             node.rng = _capture_rng(args, kwargs)
 
         out = info.call(*args, **kwargs)
+        if info.bump_ourselves:
+            torch.autograd.graph.increment_version(list({id(m): m for m in mutated}.values()))
 
         outs = node.outs
-        bump = 1 if info.bumps_version else 0
+        bump = 1 if info.bumps_version and not info.bump_ourselves else 0
         if type(out) is torch.Tensor and not mutated:
             wr = weakref.ref(out)
             version = out._version
