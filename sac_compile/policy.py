@@ -207,11 +207,20 @@ def normalize_policy(policy: PolicyLike) -> PolicyFn:
                     f"got {policy!r} of type {type(policy).__name__}")
 
 
+def _is_numpy_bool(value: Any) -> bool:
+    cls = type(value)
+    return cls.__module__ == "numpy" and cls.__name__ in ("bool_", "bool")
+
+
 def coerce_opinion(value: Any, op: Any, region: str) -> Opinion | None:
-    """What torch accepts from a policy (bool included), or a CheckpointError."""
+    """What torch accepts from a policy (bool included), or a CheckpointError.
+
+    One rule in both modes: ``bool`` and ``numpy.bool_`` mean what torch's bool means (True
+    -> MUST_SAVE, False -> PREFER_RECOMPUTE); any other value, ints and floats included
+    (``1 == True``), is rejected, naming the op and the region."""
     if value is None or isinstance(value, (CheckpointPolicy, SaveWithHooks)):
         return value
-    if isinstance(value, bool):
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return MUST_SAVE if value else PREFER_RECOMPUTE
     raise CheckpointError(
         f"the policy of region {region!r} returned {value!r} (type {type(value).__name__}) "
@@ -294,6 +303,7 @@ def _ask(frame: RegionFrame, ctx: PolicyContext, op: Any, args: tuple, kwargs: d
 
 
 Decider = Callable[[Any, tuple, dict, Any], Decision]
+_CACHED_TYPES = frozenset({bool, CheckpointPolicy, SaveWithHooks})
 
 
 def make_decider(frames: Sequence[RegionFrame]) -> Decider:
@@ -312,7 +322,11 @@ def make_decider(frames: Sequence[RegionFrame]) -> Decider:
         return lambda op, args, kwargs, output: decide(frames, op, args, kwargs, output)
     frame = frames[0]
     ctx = PolicyContext(region=frame.name, region_path=(frame.name,))
-    cache: dict[Any, Decision] = {}
+    # Keyed by the identity of the returned value, never by equality: 1 == True and
+    # hash(1) == hash(True), and a cache keyed by value would accept 1 after a True (and
+    # the enum's Python-level __hash__ is slow). The entry holds the value, so its id is
+    # not reused while cached; only values that recur as the same object are cached.
+    cache: dict[int, tuple[Any, Decision]] = {}
 
     def decide_single(op: Any, args: tuple, kwargs: dict, output: Any) -> Decision:
         # One context object serves every call: a policy sees it valid during its call.
@@ -323,14 +337,14 @@ def make_decider(frames: Sequence[RegionFrame]) -> Decider:
             raw = _ask(frame, ctx, op, args, kwargs)
         finally:
             ctx.op_output = None
-        try:
-            return cache[raw]
-        except (KeyError, TypeError):
-            pass
+        hit = cache.get(id(raw))
+        if hit is not None and hit[0] is raw:
+            return hit[1]
         opinion = coerce_opinion(raw, op, frame.name)
         decision = resolve_decision(op, [Vote(opinion, frame.name, "policy")]
                                     if opinion is not None else [])
-        cache[raw] = decision
+        if raw is None or raw.__class__ in _CACHED_TYPES:
+            cache[id(raw)] = (raw, decision)
         return decision
 
     return decide_single

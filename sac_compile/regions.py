@@ -1,13 +1,50 @@
 """Regions: where a policy applies (``sac_region``, ``checkpoint``), and per-tensor
 opinions (``tag``, ``name``). Eager calls go to the eager runtime; under
-``torch.compile`` they go to the compiler's region support."""
+``torch.compile`` they go to the compiler's region support.
+
+Wrapping an ``nn.Module`` instance: class swapping
+--------------------------------------------------
+``sac_region(policy)(module)`` changes ``module.__class__`` to a subclass of its class,
+created once per class (``SACRegion<Name>``), whose ``forward`` runs the class's forward as
+the region; the region's configuration (:class:`RegionConfig`: policy, name,
+``allow_cache_entry_mutation``) is an instance attribute, ``module._sac_regions``. This is
+how ``torch.distributed.fsdp.fully_shard`` adds behaviour to a module. We chose it over a
+wrapper module (``checkpoint_wrapper``) and over the former instance attribute
+``module.forward = closure`` because:
+
+* the module stays the same object: ``isinstance(module, type(original))`` holds,
+  ``state_dict`` keys are unchanged (a wrapper module adds a prefix), parent modules,
+  optimizers and hooks that refer to it need no update;
+* everything of the region lives on the instance, so ``copy.deepcopy`` copies it with the
+  parameters: a copy computes with *its* parameters (a closure over the original's bound
+  forward computed with the original's, and sent gradients there);
+* pickling (``torch.save``) works: :meth:`_RegionModule.__reduce_ex__` pickles the module as
+  its own class and swaps the class back on load (the dynamic class cannot be pickled by
+  reference). A policy that pickle cannot store (a lambda, a local function) raises
+  :class:`CheckpointError` naming the region and the fix when pickling;
+* it composes with ``fully_shard`` in either order (both are classes in the MRO; FSDP's
+  hooks run around our ``forward``) and with ``torch.compile`` (dynamo inlines the forward).
+
+Wrapping an already wrapped module again nests: the new region is the *outer* one, exactly
+as decorating an already decorated function. Constructing a new instance of the swapped
+class (``type(module)(...)``, as ``nn.Sequential`` slicing does) gives a plain, unwrapped
+instance of the original class, as fully_shard does. A ``forward`` that was assigned on the
+instance before wrapping (a monkeypatch) is the one that runs inside the region.
+"""
 from __future__ import annotations
 
+import copyreg
 import functools
+import inspect
+import pickle
+import sys
+import threading
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
 from . import eager
@@ -16,38 +53,297 @@ from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, Reg
 
 T = TypeVar("T")
 
+_HAS_CO_QUALNAME = sys.version_info >= (3, 11)
+
+
+# --------------------------------------------------------------------------------------
+# Default region names: one rule, the same value in eager mode and while dynamo traces
+# --------------------------------------------------------------------------------------
+
+def _module_class(module: nn.Module) -> type:
+    """The user's class of ``module``, under our class swap and fully_shard's."""
+    cls = type(module)
+    while True:
+        if issubclass(cls, _RegionModule) and "_sac_base" in cls.__dict__:
+            cls = cls.__dict__["_sac_base"]
+        elif getattr(cls, "_orig_cls_mro_index", None) is not None and \
+                len(cls.__mro__) > cls._orig_cls_mro_index:
+            # fully_shard/replicate: FSDP<Orig> -> Orig (the index torch keeps for __new__)
+            cls = cls.__mro__[cls._orig_cls_mro_index]
+        else:
+            return cls
+
 
 def _region_name(target: Any) -> str:
+    """The default name of a region for ``target``.
+
+    A module: its class name. A ``functools.partial``: the name of what it calls. A bound
+    method: its function's. A Python function: its ``__qualname__``, after following
+    ``__wrapped__`` (``functools.wraps``) to the function that was wrapped, read from the
+    code object (``co_qualname``): dynamo reads a function's ``__qualname__`` from its type
+    (``<attribute '__qualname__' of 'function' objects>``) while it traces, and a policy
+    keyed on ``ctx.region`` must see the same name in both modes. (A ``__qualname__``
+    assigned by hand, without ``functools.wraps``, is therefore not used.) A builtin such as
+    ``torch.sin``: its ``__name__``. Anything else: its type's name.
+    """
     if isinstance(target, nn.Module):
-        return type(target).__name__
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) \
-        or type(target).__name__
+        return _module_class(target).__name__
+    if isinstance(target, functools.partial):
+        return _region_name(target.func)
+    func = target
+    if isinstance(target, types.MethodType):  # a bound method: its function
+        # (direct attribute reads: dynamo's hasattr/getattr-with-default miss __self__)
+        func, owner = target.__func__, target.__self__
+        if getattr(func, "_sac_region_forward", False) and isinstance(owner, nn.Module):
+            func = _module_class(owner).forward  # a wrapped module's forward: its class's
+    for _ in range(100):  # functools.wraps chains; bounded against a cycle
+        if not hasattr(func, "__wrapped__"):
+            break
+        func = func.__wrapped__
+    if isinstance(func, (nn.Module, functools.partial)):
+        return _region_name(func)
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        if _HAS_CO_QUALNAME:
+            return code.co_qualname
+        value = getattr(func, "__qualname__", None)  # Python 3.10: right in eager mode
+        if isinstance(value, str):
+            return value
+    value = getattr(func, "__name__", None)  # a builtin (torch.sin): "sin"
+    if isinstance(value, str):
+        return value
+    return type(target).__name__
+
+
+# --------------------------------------------------------------------------------------
+# Region configuration (what a wrapped module carries)
+# --------------------------------------------------------------------------------------
+
+class RegionConfig:
+    """One region of a wrapped module: the policy as given (``spec``), its frame (name and
+    normalised policy) and ``allow_cache_entry_mutation``. Immutable: copies of a module
+    share it; pickling stores the policy as given and normalises it again on load."""
+
+    __slots__ = ("spec", "frame", "allow_cache_entry_mutation")
+
+    def __init__(self, spec: PolicyLike, frame: RegionFrame,
+                 allow_cache_entry_mutation: bool) -> None:
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "frame", frame)
+        object.__setattr__(self, "allow_cache_entry_mutation", allow_cache_entry_mutation)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        raise AttributeError("RegionConfig is immutable; wrap the module again instead")
+
+    def __copy__(self) -> RegionConfig:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> RegionConfig:
+        return self
+
+    def __reduce__(self) -> Any:
+        spec = _portable_policy(self.spec)
+        try:
+            pickle.dumps(spec)
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot pickle the policy {self.spec!r} of region {self.frame.name!r} "
+                f"({type(e).__name__}: {e}). A wrapped module is pickled with its region's "
+                f"policy; make it picklable: a module-level function (not a lambda or a "
+                f"local function), functools.partial of one, a list of ops, or a preset name "
+                f"such as 'save_matmuls'") from e
+        return (_restore_config, (spec, self.frame.name, self.allow_cache_entry_mutation))
+
+    def __repr__(self) -> str:
+        return (f"RegionConfig({self.frame.name!r}, policy={self.frame.policy!r}, "
+                f"allow_cache_entry_mutation={self.allow_cache_entry_mutation})")
+
+
+def _make_config(policy: PolicyLike, name: str, allow: bool) -> RegionConfig:
+    return RegionConfig(policy, RegionFrame(name, normalize_policy(policy)), allow)
+
+
+def _restore_config(spec: Any, name: str, allow: bool) -> RegionConfig:
+    return _make_config(_resolve_policy(spec), name, allow)
+
+
+class _OpRef:
+    """An ATen op by name, for pickling (OpOverloads themselves cannot be pickled)."""
+
+    def __init__(self, qualified: str, overload: str | None) -> None:
+        self.qualified, self.overload = qualified, overload
+
+    def resolve(self) -> Any:
+        namespace, op = self.qualified.split("::", 1)
+        packet = getattr(getattr(torch.ops, namespace), op)
+        return packet if self.overload is None else getattr(packet, self.overload)
+
+
+def _portable_policy(spec: Any) -> Any:
+    """``spec`` in a form the standard pickle can store: preset objects by name, ATen ops
+    in a list by their names."""
+    from . import policies
+    for preset_name, preset in policies.PRESETS.items():
+        if spec is preset:
+            return preset_name
+    if isinstance(spec, (list, tuple, set, frozenset)):
+        out = []
+        for op in spec:
+            if isinstance(op, torch._ops.OpOverload):
+                op = _OpRef(op._schema.name, op._overloadname)
+            elif isinstance(op, torch._ops.OpOverloadPacket):
+                op = _OpRef(op._qualified_op_name, None)
+            out.append(op)
+        return type(spec)(out) if not isinstance(spec, list) else out
+    return spec
+
+
+def _resolve_policy(spec: Any) -> Any:
+    if isinstance(spec, (list, tuple, set, frozenset)):
+        ops = [op.resolve() if isinstance(op, _OpRef) else op for op in spec]
+        return type(spec)(ops) if not isinstance(spec, list) else ops
+    return spec
+
+
+# --------------------------------------------------------------------------------------
+# Module wrapping by class swap
+# --------------------------------------------------------------------------------------
+
+class _RegionModule:
+    """Mixin placed first in the MRO of a wrapped module's class (see the module docstring)."""
+
+    _sac_regions: tuple[RegionConfig, ...]  # set per instance, outermost first
+    _sac_inner_forward: Any = None  # an instance-assigned forward found when wrapping
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A new instance (nn.Sequential slicing builds ``type(self)(...)``) is a plain,
+        # unwrapped instance of the original class, as with fully_shard.
+        return cls.__dict__["_sac_base"](*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self._sac_inner_forward
+        if inner is None:
+            inner = super().forward  # type: ignore[misc]
+        return _run_regions(self._sac_regions, inner, *args, **kwargs)
+
+    # Marks this function for _region_name (dynamo's ``is`` does not compare functions).
+    forward._sac_region_forward = True  # type: ignore[attr-defined]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled as the original class (which pickle finds by name); the class is
+        # swapped back on load. The region config travels in the instance's state.
+        func, args, *rest = super().__reduce_ex__(protocol)  # type: ignore[misc]
+        cls = type(self)
+        if func is copyreg.__newobj__ and args and args[0] is cls:
+            return (_new_region_module, (cls.__dict__["_sac_base"], *args[1:]), *rest)
+        if func is copyreg.__newobj_ex__ and args and args[0] is cls:
+            return (_new_region_module_ex, (cls.__dict__["_sac_base"], *args[1:]), *rest)
+        return (_rewrap_module, (func, args), *rest)  # the class's own __reduce__
+
+
+def _run_regions(configs: tuple[RegionConfig, ...], fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:
+    config, rest = configs[0], configs[1:]
+    body = functools.partial(_run_regions, rest, fn) if rest else fn
+    return run_region(config.frame, body, args, kwargs, config.allow_cache_entry_mutation)
+
+
+_REGION_CLASSES: dict[type, type] = {}
+_REGION_CLASSES_LOCK = threading.Lock()
+
+
+def _region_class(cls: type) -> type:
+    """The swapped class for ``cls``, created once per class."""
+    with _REGION_CLASSES_LOCK:
+        new = _REGION_CLASSES.get(cls)
+        if new is None:
+            new = type(f"SACRegion{cls.__name__}", (_RegionModule, cls),
+                       {"_sac_base": cls,
+                        "__doc__": f"{cls.__qualname__} whose forward is a sac_region "
+                                   f"(created by sac_compile.sac_region)."})
+            _REGION_CLASSES[cls] = new
+        return new
+
+
+def _new_region_module(base: type, *args: Any) -> Any:
+    return base.__new__(_region_class(base), *args)
+
+
+def _new_region_module_ex(base: type, args: tuple, kwargs: dict) -> Any:
+    return base.__new__(_region_class(base), *args, **kwargs)
+
+
+def _rewrap_module(func: Callable[..., Any], args: tuple) -> Any:
+    module = func(*args)
+    if not isinstance(module, _RegionModule):
+        module.__class__ = _region_class(type(module))
+    return module
+
+
+def _wrap_module(module: nn.Module, config: RegionConfig) -> nn.Module:
+    if isinstance(module, _RegionModule):
+        # Wrapped again: the new region encloses the existing ones (outermost first).
+        object.__setattr__(module, "_sac_regions", (config, *module._sac_regions))
+        return module
+    patched = module.__dict__.pop("forward", None)
+    if patched is not None:
+        object.__setattr__(module, "_sac_inner_forward", patched)
+    object.__setattr__(module, "_sac_regions", (config,))
+    module.__class__ = _region_class(type(module))
+    return module
+
+
+# --------------------------------------------------------------------------------------
+# sac_region
+# --------------------------------------------------------------------------------------
+
+def _check_target(target: Any) -> None:
+    """TypeErrors for what a region cannot wrap (it would checkpoint nothing)."""
+    if isinstance(target, type):
+        name = target.__name__
+        if issubclass(target, nn.Module):
+            raise TypeError(
+                f"sac_region(...) was applied to the class {name}, which would checkpoint "
+                f"nothing; apply it to an instance, sac_region(policy)({name}(...)), or "
+                f"decorate the class's forward method with @sac_region(policy)")
+        raise TypeError(f"sac_region(...) was applied to the class {name}; it decorates a "
+                        f"function or is applied to an nn.Module instance")
+    kind = ("an async generator function" if inspect.isasyncgenfunction(target) else
+            "an async function" if inspect.iscoroutinefunction(target) else
+            "a generator function" if inspect.isgeneratorfunction(target) else None)
+    if kind is not None:
+        raise TypeError(
+            f"sac_region/checkpoint got {kind} {_region_name(target)!r}: calling it returns "
+            f"before its body runs, so the region would checkpoint nothing. A region must be "
+            f"a function that computes and returns tensors; move the tensor computation into "
+            f"a plain function and make that the region")
 
 
 class sac_region:  # noqa: N801 - used like a decorator/context manager, as torch's are
     """A selective-checkpointing region with ``policy``.
 
     Use it as a decorator on a function, apply it to an ``nn.Module`` instance (its
-    forward becomes the region; the module is returned), or as a context manager in
-    eager mode. Regions nest: opinions resolve outermost to innermost, MUST beats PREFER.
+    forward becomes the region; the same module is returned, see the module docstring),
+    or as a context manager in eager mode (re-entrant and usable from several threads).
+    Regions nest: opinions resolve outermost to innermost, MUST beats PREFER.
     """
 
     def __init__(self, policy: PolicyLike = "recompute_all", *, name: str | None = None,
                  allow_cache_entry_mutation: bool = False) -> None:
+        self.spec = policy
         self.policy = normalize_policy(policy)
         self.name = name
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
-        self._context: Any = None
+        self._local = threading.local()  # this thread's stack of entered contexts
 
     def _frame(self, target: Any) -> RegionFrame:
         return RegionFrame(self.name or _region_name(target), self.policy)
 
     def __call__(self, target: T) -> T:
+        _check_target(target)
         if isinstance(target, nn.Module):
-            frame = self._frame(target)
-            forward = target.forward
-            target.forward = functools.wraps(forward)(self._wrap(frame, forward))
-            return target
+            config = RegionConfig(self.spec, self._frame(target), self.allow_cache_entry_mutation)
+            return _wrap_module(target, config)  # type: ignore[return-value]
         if not callable(target):
             raise TypeError(f"sac_region(...) must decorate a function or be applied to an "
                             f"nn.Module, got {target!r} of type {type(target).__name__}")
@@ -61,19 +357,34 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
 
         return region
 
+    def _contexts(self) -> list[Any]:
+        stack = getattr(self._local, "contexts", None)
+        if stack is None:
+            stack = self._local.contexts = []
+        return stack
+
     def __enter__(self) -> sac_region:
         if torch.compiler.is_compiling():
             raise CheckpointError(
                 f"`with sac_region(...)` is eager-only; under torch.compile decorate the "
                 f"function (or module) with @sac_region({self.policy!r}) instead")
         frame = RegionFrame(self.name or "sac_region", self.policy)
-        self._context = eager.eager_region(frame, self.allow_cache_entry_mutation)
-        self._context.__enter__()
+        context = eager.eager_region(frame, self.allow_cache_entry_mutation)
+        context.__enter__()
+        self._contexts().append(context)
         return self
 
     def __exit__(self, *exc: Any) -> bool | None:
-        context, self._context = self._context, None
-        return context.__exit__(*exc)
+        return self._contexts().pop().__exit__(*exc)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_local"]  # entered contexts belong to the thread that entered them
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"sac_region({self.policy!r}, name={self.name!r})"
@@ -88,15 +399,106 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
         return fn(*args, **kwargs)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = "recompute_all",
-               **kwargs: Any) -> Any:
-    """Call ``fn(*args, **kwargs)`` as a region with ``policy``."""
+# --------------------------------------------------------------------------------------
+# checkpoint: the function-call form, with torch.utils.checkpoint's keywords
+# --------------------------------------------------------------------------------------
+
+_NOT_GIVEN: Any = object()
+_DETERMINISM_CHECKS = ("default", "none")
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIVEN,
+               use_reentrant: bool | None = None, context_fn: Any = None,
+               preserve_rng_state: bool = True, determinism_check: str = "default",
+               debug: bool = False, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` as a region with ``policy`` (default ``"recompute_all"``).
+
+    ``torch.utils.checkpoint.checkpoint``'s keywords are recognised, so a call written for
+    torch runs unchanged (they are not passed to ``fn``; every other keyword is):
+
+    * ``use_reentrant``: ``False`` or omitted. The runtime is always non-reentrant
+      (saved-tensor hooks); ``True`` raises ``TypeError``.
+    * ``context_fn``: ``functools.partial(torch.utils.checkpoint.
+      create_selective_checkpoint_contexts, policy_fn_or_list[, allow_cache_entry_mutation])``
+      becomes this region's policy (and ``allow_cache_entry_mutation``); torch's
+      ``noop_context_fn`` means no policy (full recomputation). Any other ``context_fn``,
+      or one together with ``policy=``, raises ``TypeError``.
+    * ``preserve_rng_state``: accepted; random ops always replay the generator state they
+      saw (as torch's ``True``), so ``False`` changes nothing.
+    * ``determinism_check``: ``"default"`` or ``"none"``; accepted. Recomputation replays
+      the recorded ATen ops, so recomputed values always match the forward's in shape,
+      dtype and device; there is nothing for torch's check to catch.
+    * ``debug``: accepted; there is no recomputation mismatch to trace. Use
+      ``sac_compile.explain`` or ``SAC_COMPILE_LOGS`` to see what was saved and why.
+    """
+    _check_target(fn)
+    policy, allow = _checkpoint_options(policy, use_reentrant, context_fn, determinism_check)
+    name = _region_name(fn)
     if torch.compiler.is_compiling():  # the policy is normalised where AOTAutograd traces
         from .compiler import regions_compiled
-        return regions_compiled.checkpoint(fn, args, kwargs, policy, _region_name(fn))
-    frame = RegionFrame(_region_name(fn), normalize_policy(policy))
-    return run_region(frame, fn, args, kwargs)
+        return regions_compiled.checkpoint(fn, args, kwargs, policy, name, allow)
+    frame = RegionFrame(name, normalize_policy(policy))
+    return run_region(frame, fn, args, kwargs, allow)
 
+
+def _checkpoint_options(policy: Any, use_reentrant: Any, context_fn: Any,
+                        determinism_check: Any) -> tuple[Any, bool]:
+    """The policy and ``allow_cache_entry_mutation`` of a ``checkpoint`` call."""
+    if use_reentrant:
+        raise TypeError(
+            "sac_compile.checkpoint(..., use_reentrant=True): the runtime is always "
+            "non-reentrant (saved-tensor hooks, as torch's use_reentrant=False); pass "
+            "use_reentrant=False or leave it out")
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise TypeError(
+            f"sac_compile.checkpoint(..., determinism_check={determinism_check!r}): expected "
+            f"one of {list(_DETERMINISM_CHECKS)} (torch's values); recomputation replays the "
+            f"recorded ops, so it needs no check")
+    allow = False
+    if context_fn is not None and context_fn is not _torch_checkpoint.noop_context_fn:
+        if policy is not _NOT_GIVEN:
+            raise TypeError(
+                "sac_compile.checkpoint got both policy= and context_fn=; pass one of them "
+                "(the policy: policy=policy_fn)")
+        policy, allow = _policy_of_context_fn(context_fn)
+    if policy is _NOT_GIVEN:
+        policy = "recompute_all"
+    return policy, allow
+
+
+def _policy_of_context_fn(context_fn: Any) -> tuple[Any, bool]:
+    if isinstance(context_fn, functools.partial) and \
+            context_fn.func is _torch_checkpoint.create_selective_checkpoint_contexts:
+        args, keywords = context_fn.args, context_fn.keywords
+        if len(args) > 2 or (len(args) == 2 and "allow_cache_entry_mutation" in keywords) or \
+                (len(args) >= 1 and "policy_fn_or_list" in keywords) or \
+                set(keywords) - {"policy_fn_or_list", "allow_cache_entry_mutation"}:
+            raise TypeError(
+                f"sac_compile.checkpoint: context_fn {context_fn!r} does not match "
+                f"create_selective_checkpoint_contexts(policy_fn_or_list, "
+                f"allow_cache_entry_mutation=False)")
+        if args:
+            policy = args[0]
+        elif "policy_fn_or_list" in keywords:
+            policy = keywords["policy_fn_or_list"]
+        else:
+            raise TypeError(
+                "sac_compile.checkpoint: context_fn=functools.partial("
+                "create_selective_checkpoint_contexts) has no policy_fn_or_list; pass "
+                "policy=policy_fn instead")
+        allow = args[1] if len(args) == 2 else keywords.get("allow_cache_entry_mutation", False)
+        return policy, bool(allow)
+    raise TypeError(
+        f"sac_compile.checkpoint: context_fn={context_fn!r} is not supported; only "
+        f"functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, "
+        f"policy_fn_or_list) is understood (it becomes the policy). Pass the policy "
+        f"directly, checkpoint(fn, *args, policy=policy_fn), and do other setup around the "
+        f"call")
+
+
+# --------------------------------------------------------------------------------------
+# tag / name
+# --------------------------------------------------------------------------------------
 
 def _check_tensor(what: str, tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor):

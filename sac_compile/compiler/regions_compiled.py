@@ -66,11 +66,13 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
 
 
 def checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any,
-               name: str) -> Any:
+               name: str, allow_cache_entry_mutation: bool = False) -> Any:
     """``sac_compile.checkpoint`` under compile: the raw policy (a list of ops, a preset
-    name, a function) is a constant dynamo can guard; it is normalised at trace time."""
+    name, a function) is a constant dynamo can guard; it is normalised at trace time.
+    ``name`` was computed by ``regions._region_name`` while dynamo traced, by the same rule
+    as in eager mode."""
     context_fn = functools.partial(policy_contexts, name, policy)
-    body = functools.partial(_region_body, name, policy, False, fn)
+    body = functools.partial(_region_body, name, policy, allow_cache_entry_mutation, fn)
     return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
                                              context_fn=context_fn, **kwargs)
 
