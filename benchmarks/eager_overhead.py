@@ -11,7 +11,7 @@ in this one run, strategies interleaved round-robin, medians reported as ratios.
 2. The 8-layer MLP fixture (64x1024, 1024->4096->1024, LayerNorm) with every block
    checkpointed saving matmuls (torch: mm/addmm/bmm/baddbmm and SDPA ops; ours
    ``policy="save_matmuls"``): step time / no-AC (target <= 1.05) and activation bytes kept
-   (target <= torch SAC's), measured as in ``sac_compile.demo``.
+   (target <= torch SAC's), measured as in ``fixtures.measure.measure_ours``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from fixtures.models import clear_grads, loss_fn, max_grad_diff  # noqa: E402
 
 try:
     import sac_compile
-    from sac_compile.demo import measure_ours, ours_blocks
+    from fixtures.measure import measure_ours, ours_blocks
     OURS_ERROR = None
 except Exception as e:  # the benchmark still measures the upstream side
     sac_compile = None

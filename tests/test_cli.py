@@ -12,7 +12,7 @@ import torch
 
 from sac_compile.cli import main
 from sac_compile.cli.args import UsageError, parse_budget
-from sac_compile.cli.report import GRAD_RTOL, STRATEGIES
+from sac_compile._bench.runner import GRAD_RTOL, STRATEGIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -143,9 +143,14 @@ def test_interleaved_medians_runs_each():
 def test_demo_measurements_on_the_test_mlp():
     # The demo's three strategies on the tiny MLP: hand-computed bytes (batch 4, d=16,
     # hidden 64, fp32, 2 blocks) and identical gradients.
-    from sac_compile.demo import run
+    from fixtures.measure import (TORCH_SAVE_MATMUL_OPS, measure_noac, measure_ours,
+                                  measure_torch_sac)
 
-    (noac, d0), (tsac, d1), (ours, d2) = run("mlp", "test")
+    model, inputs = make_model("mlp", size="test", seed=0)
+    noac = measure_noac(model, inputs, seed=0)
+    tsac = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=0)
+    ours = measure_ours(model, inputs, "save_matmuls", seed=0)
+    d0, d1, d2 = (max_grad_diff(noac.grads, r.grads) for r in (noac, tsac, ours))
     assert d0 == d1 == d2 == 0.0
     per_block_cache = (4 * 64 + 4 * 16) * 4   # the two addmm outputs
     block_input = head_input = 4 * 16 * 4

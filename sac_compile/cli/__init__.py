@@ -1,6 +1,7 @@
 """``python -m sac_compile``: the command line.
 
-* ``report`` (:mod:`.report`, :mod:`.plot`): checkpointing strategies compared on one model.
+* ``report`` (:mod:`.report`; measured by :mod:`sac_compile._bench`, printed by
+  :mod:`.table` and :mod:`.plot`): checkpointing strategies compared on one model.
 * ``explain`` (:mod:`.explain`): a function's ``PartitionReport``, eager vs compiled.
 
 Bad input is a :class:`~.args.UsageError`: one line on stderr naming the fix, exit code 2,
@@ -9,90 +10,12 @@ and no traceback unless ``--debug``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import time
 from typing import Any
 
 from .args import UsageError, build_parser
 
 __all__ = ["main", "UsageError"]
-
-
-def _cmd_report(args: Any) -> int:
-    from .args import check_device, load_target, parse_budget, resolve_policy
-    budget = parse_budget(args.budget)
-    device = check_device(args.device)
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps {args.steps}: give at least 1 timed round, e.g. --steps 5")
-    steps, time_budget = (args.steps, None) if args.steps is not None else (15, 30.0)
-    policy_label, policy = resolve_policy(args.policy)
-    target = load_target(args.model, size=args.size, seed=args.seed, device=device)
-    out_dir = args.out
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out_dir!r}: cannot create the directory ({e.strerror}); "
-                         f"give a writable directory") from None
-
-    from .progress import Progress
-    from .report import STRATEGIES, ReportConfig, format_table, meta, run_report, write_json
-    cfg = ReportConfig(target, policy_label, policy, budget, device, steps, args.seed,
-                       compile=not args.no_compile, time_budget_s=time_budget)
-    n_live = sum(1 for _, _, kind in STRATEGIES if kind == "eager" or cfg.compile)
-    progress = Progress(len(STRATEGIES) + n_live * (steps + 1))
-    m0 = meta(cfg, 0.0)
-    progress.say(f"model {target.label}" + (f" ({target.size})" if target.size else "")
-                 + f": {m0['blocks']} blocks, {m0['parameters'] / 1e6:.3f} M parameters, "
-                 f"inputs {m0['inputs']}; policy {policy_label}; device {device}; "
-                 f"torch {m0['torch']}")
-    t0 = time.perf_counter()
-    rows = run_report(cfg, progress)
-    elapsed = time.perf_counter() - t0
-    progress.finish()
-
-    json_path = os.path.join(out_dir, "report.json")
-    write_json(json_path, cfg, rows, elapsed)
-    png_path = os.path.join(out_dir, "report.png")
-    wrote_png = False
-    if not args.no_plot:
-        from .plot import write_plot
-        wrote_png = write_plot(png_path, rows, meta(cfg, elapsed))
-    m = meta(cfg, elapsed)
-    print(f"sac_compile report: model {target.label}"
-          + (f" ({target.size})" if target.size else "")
-          + f", policy {policy_label}, device {device}, "
-          f"{_rounds(rows)} timed rounds; "
-          f"{m['machine']}; torch {m['torch']}; {m['date'][:16]}")
-    print()
-    print(format_table(rows, device))
-    print()
-    peak = ("peak: torch.cuda.max_memory_allocated during the step" if device.startswith("cuda")
-            else "peak*: on CPU, the runtime's own accounting of live saved values (bytes alive "
-                 "for backward when forward ends), not an allocator measurement")
-    print("kept: activation bytes kept for backward (eager: counted at run time; compiled: the "
-          "partition); parameters excluded.")
-    print(peak + ".")
-    print("time: median of per-round ratios to no AC, interleaved in this run; compiled rows "
-          "exclude compile time. Compiled rows use inductor fallback_random (eager dropout "
-          "masks).")
-    print(f"wrote {json_path}" + (f" and {png_path}" if wrote_png else
-                                  " (report.png skipped: " + ("--no-plot" if args.no_plot else
-                                  "matplotlib is not installed; pip install 'sac_compile"
-                                  "[report]'") + ")")
-          + f" [{elapsed:.1f} s]")
-    if target.is_fixture and target.size == "test":
-        print("note: the test-size fixtures are tiny, so eager step times are mostly Python "
-              "overhead; --size bench gives realistic ratios (and longer compiles).")
-    bad = [r for r in rows if r.status == "ok" and r.grad_rel is not None and r.grad_rel > 1e-3]
-    if bad:
-        print("gradients DIFFER from no AC for: " + ", ".join(r.label for r in bad))
-        return 1
-    return 0
-
-
-def _rounds(rows: list) -> int:
-    return max((r.rounds or 0 for r in rows), default=0)
 
 
 def _cmd_explain(args: Any) -> int:
@@ -111,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         logs.enable(logging.DEBUG)
     try:
         if args.command == "report":
-            return _cmd_report(args)
+            from .report import run_report_command
+            return run_report_command(args)
         return _cmd_explain(args)
     except UsageError as e:
         if args.debug:

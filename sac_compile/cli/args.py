@@ -11,11 +11,13 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._bench.runner import Target
 
 __all__ = ["UsageError", "build_parser", "parse_budget", "resolve_policy", "check_device",
-           "load_target", "Target", "FIXTURES"]
+           "load_target", "FIXTURES"]
 
 FIXTURES = ("mlp", "gpt", "conv", "moe")
 DEFAULT_MODEL = "mlp"
@@ -247,26 +249,17 @@ def _load_attr(text: str, flag: str) -> Any:
     return obj
 
 
-@dataclass
-class Target:
-    """What ``--model`` / ``explain TARGET`` resolved to."""
-
-    label: str
-    fn: Any                       # an nn.Module or a callable
-    inputs: tuple
-    is_fixture: bool
-    size: str | None = None
-
-
 def load_target(spec: str, *, size: str | None, seed: int, device: str,
                 flag: str = "--model") -> Target:
-    """A fixture (``make_model``) or a user factory returning ``(model, example_inputs)``."""
+    """A built-in model (``make_model``) or a user factory returning ``(model, example_inputs)``."""
     import torch
+
+    from .._bench.runner import Target
     if ":" not in spec:
         if spec not in FIXTURES:
             raise UsageError(f"unknown model {spec!r}; use one of {', '.join(FIXTURES)}, or "
                              f"MODULE:FUNCTION / PATH.py:FUNCTION returning (model, inputs)")
-        from fixtures.models import SIZES, make_model
+        from .._bench.models import SIZES, make_model
         size = size or DEFAULT_SIZE
         if size not in SIZES[spec]:
             raise UsageError(f"unknown size {size!r} for {spec}; use one of "

@@ -20,10 +20,9 @@ __all__ = ["run_explain", "diff_reports"]
 
 
 def _with_policy(fn: Any, policy: Any) -> Any:
-    from fixtures.measure import wrap_blocks
-
+    from .._bench.measure import wrap_blocks
+    from .._bench.strategies import as_blocked_model
     from ..regions import sac_region
-    from .report import as_blocked_model
     model = as_blocked_model(fn)
     wrap_blocks(model, lambda i, fwd: sac_region(policy, name=f"blocks.{i}")(fwd))
     return model

@@ -1,0 +1,125 @@
+"""Compiled strategies: what each forward/backward split saves and recomputes, for
+upstream's partitioner (recorded around ``min_cut_rematerialization_partition``) and ours
+(its ``PartitionReport``, through ``on_partition``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .measure import fmt_bytes
+
+__all__ = ["PartitionFigures", "upstream_backend", "OnPartition"]
+
+
+class Progress(Protocol):
+    def say(self, text: str) -> None: ...
+
+
+class PartitionFigures:
+    """Saved bytes / recomputed ops / recompute FLOPs of each forward-backward split."""
+
+    def __init__(self) -> None:
+        self.splits: list[dict[str, Any]] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(s["saved_bytes"] for s in self.splits)
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(s["recompute_flops"] for s in self.splits)
+
+    @property
+    def recomputed_ops(self) -> int:
+        return sum(s["recomputed_ops"] for s in self.splits)
+
+    def add_report(self, report: Any) -> None:
+        self.splits.append({"saved_bytes": report.saved_bytes,
+                            "recompute_flops": report.recompute_flops,
+                            "recomputed_ops": len(report.recomputed)})
+
+
+def _upstream_recorder(figures: PartitionFigures) -> Any:
+    """A ``CustomPartitionerFn`` that calls torch's ``min_cut_rematerialization_partition``
+    with exactly the arguments Inductor would pass it, and records what the split saves."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    global _UpstreamRecorder
+    if _UpstreamRecorder is None:
+        class UpstreamRecorder(CustomPartitionerFn):
+            def __init__(self, figures: PartitionFigures) -> None:
+                self.figures = figures
+
+            def uuid(self) -> str:
+                return "sac_compile._bench.partition_figures:upstream-recorder:1"
+
+            def __reduce__(self) -> Any:  # Inductor's cache pickles its config: by name
+                return (_upstream_recorder, (PartitionFigures(),))
+
+            def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+                return _record_upstream(self.figures, gm, joint_inputs, **kwargs)
+
+        UpstreamRecorder.__qualname__ = UpstreamRecorder.__name__ = "_UpstreamRecorder"
+        _UpstreamRecorder = UpstreamRecorder
+    return _UpstreamRecorder(figures)
+
+
+_UpstreamRecorder: Any = None
+
+
+def _record_upstream(figures: PartitionFigures, gm: torch.fx.GraphModule, joint_inputs: Any,
+                     **kwargs: Any) -> Any:
+    import operator
+
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from ..compiler import costs
+    static_idx = set(kwargs.get("static_lifetime_input_indices") or ())
+    primals = [n.name for n in gm.graph.find_nodes(op="placeholder")
+               if str(n.target).startswith("primals")]
+    static = {primals[i] for i in static_idx if i < len(primals)}
+    joint = {n.name: n for n in gm.graph.nodes}
+    fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    recomputed = [joint[n.name] for n in bw.graph.nodes
+                  if n.op == "call_function" and n.name in fw_ops and n.name in joint
+                  and n.target is not operator.getitem and not costs.is_sym(n)]
+    saved = [joint[n.name] for n in bw.graph.find_nodes(op="placeholder")
+             if n.name in joint and "tangents" not in n.name and n.name not in static
+             and not costs.is_sym(joint[n.name])]
+    figures.splits.append({
+        "saved_bytes": sum(costs.nbytes(n) for n in saved),
+        "recompute_flops": sum(costs.flops(n) for n in recomputed),
+        "recomputed_ops": len(recomputed)})
+    return fw, bw
+
+
+class OnPartition:
+    """``on_partition`` callback: records the split and says what it did (the partitioner
+    itself logs the report to the ``sac_partition`` artifact). Pickles as a no-op (Inductor's cache pickles the
+    partitioner, callback included, to build its key)."""
+
+    def __init__(self, figures: PartitionFigures, progress: Progress | None) -> None:
+        self.figures = figures
+        self.progress = progress
+
+    def __reduce__(self) -> Any:
+        return (OnPartition, (PartitionFigures(), None))
+
+    def __call__(self, report: Any) -> None:
+        self.figures.add_report(report)
+        if self.progress is not None:
+            self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes)} in "
+                              f"{len(report.saved)} values, recomputes {len(report.recomputed)}"
+                              f" ops in backward")
+
+
+def upstream_backend(figures: PartitionFigures) -> Callable[..., Any]:
+    recorder = _upstream_recorder(figures)
+
+    def inductor_with_torch_partitioner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": recorder})
+    return inductor_with_torch_partitioner

@@ -1,0 +1,356 @@
+"""Run every strategy on one model: kept bytes, recompute, time, gradient difference.
+
+Strategies (keys in report.json in brackets):
+
+
+* no AC [``no_ac``]: plain forward and backward; the reference for time and gradients.
+* full AC [``full_ac``]: ``torch.utils.checkpoint(use_reentrant=False)`` on every block.
+* torch SAC eager [``torch_sac_eager``]: upstream selective checkpointing
+  (``create_selective_checkpoint_contexts``) saving matmuls and attention, every block.
+* torch SAC compiled [``torch_sac_compiled``]: the same under ``torch.compile`` with Inductor
+  and torch's own partitioner (``min_cut_rematerialization_partition``).
+* ours eager [``ours_eager``]: ``sac_region(policy)`` on every block, the eager runtime.
+* ours compiled [``ours_compiled``]: the same with ``backend=sac_backend`` (Inductor).
+* ours budget [``ours_budget``]: ours compiled with ``make_backend(memory_budget=...)`` and
+  the same policy with its MUSTs relaxed to PREFERs (MUST_SAVE -> PREFER_SAVE, ...), so that
+  the budget may evict what the policy would save. A fraction is of the activation bytes the
+  unconstrained partition (of that relaxed policy) saves, per forward/backward split.
+
+How each figure is obtained:
+
+* kept bytes: eager strategies are counted at run time with ``_bench.measure``
+  (``measure_noac``, ``measure_torch_sac``, ``_bench.strategies.measure_ours``; full AC: the
+  bytes autograd packs outside the checkpoints), i.e. every activation alive for backward
+  when forward ends, inside and outside the checkpointed blocks. Compiled strategies: the
+  bytes the forward graph hands to the backward graph, from the partition (ours: its
+  ``PartitionReport``; upstream: the same figure read off torch's partition). Parameters
+  and buffers are never counted.
+* peak: CUDA ``max_memory_allocated`` above the step's start; on CPU, the runtime's own
+  accounting of live saved values: the kept bytes (saved values only grow in forward and
+  only shrink in backward, apart from recomputed values), stated as such.
+* recompute FLOPs: eager: ``FlopCounterMode`` over a whole step, minus no AC's count;
+  compiled: the FLOPs of the ops the backward graph recomputes, by the same
+  ``torch.utils.flop_counter`` rules.
+* time: ``_bench.measure.interleaved_medians`` (round-robin, rotating order) and
+  ``paired`` ratios to no AC, one run.
+* grad diff: ``_bench.models.max_grad_diff`` against no AC from the same seed. Compiled
+  strategies run with ``torch._inductor.config.fallback_random = True`` so that dropout draws
+  the same masks as eager mode.
+"""
+from __future__ import annotations
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+
+from ..policy import CheckpointError
+from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_medians,
+                      measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
+                      wrapped_blocks)
+from .models import clear_grads, grads_of, max_grad_diff
+from .partition_figures import OnPartition, PartitionFigures, upstream_backend
+from .strategies import (as_blocked_model, full_ac, loss_of, measure_ours, ours, relax_musts,
+                         torch_sac)
+
+log = logging.getLogger("sac_compile.report")
+
+__all__ = ["STRATEGIES", "GRAD_RTOL", "Row", "ReportConfig", "Target", "run_report"]
+
+
+@dataclasses.dataclass
+class Target:
+    """The model to measure: what ``--model`` / ``explain TARGET`` resolved to."""
+
+    label: str
+    fn: Any                       # an nn.Module or a callable
+    inputs: tuple
+    is_fixture: bool              # a built-in model (``_bench.models``)
+    size: str | None = None
+
+
+class Progress(Protocol):
+    def say(self, text: str) -> None: ...
+    def set_phase(self, text: str) -> None: ...
+    def advance(self) -> None: ...
+
+
+#: (key, label, kind) in the order of the table.
+STRATEGIES: list[tuple[str, str, str]] = [
+    ("no_ac", "no AC", "eager"),
+    ("full_ac", "full AC (torch.utils.checkpoint)", "eager"),
+    ("torch_sac_eager", "torch SAC eager (save matmuls)", "eager"),
+    ("torch_sac_compiled", "torch SAC compiled (inductor)", "compiled"),
+    ("ours_eager", "ours eager", "eager"),
+    ("ours_compiled", "ours compiled (sac_backend)", "compiled"),
+    ("ours_budget", "ours compiled, memory budget", "compiled"),
+]
+
+#: Gradient differences above this (relative to the largest reference gradient) are flagged.
+GRAD_RTOL = 1e-3
+
+
+@dataclasses.dataclass
+class Row:
+    key: str
+    label: str
+    kind: str
+    status: str = "ok"                  # ok | skipped | failed
+    kept_bytes: int | None = None
+    peak_bytes: int | None = None
+    recompute_flops: int | None = None
+    recomputed_ops: int | None = None
+    time_ratio: float | None = None     # median of per-round ratios to no AC
+    time_ms: float | None = None        # median step time
+    grad_diff: float | None = None
+    grad_rel: float | None = None
+    compile_s: float | None = None
+    rounds: int | None = None           # timed rounds behind time_ratio
+    note: str = ""
+    grads: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    step: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
+    flops_total: int | None = dataclasses.field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("grads", "step", "flops_total"):
+            d.pop(k)
+        return d
+
+
+
+@dataclasses.dataclass
+class ReportConfig:
+    target: Target
+    policy_label: str
+    policy: Any
+    budget: float | int
+    device: str
+    steps: int
+    seed: int
+    compile: bool = True
+    time_budget_s: float | None = None   # stop timing rounds early (after 3) once spent
+
+
+def _cuda_peak(device: str) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def measure():
+        box: dict[str, int] = {}
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            yield box
+            torch.cuda.synchronize()
+            box["peak"] = torch.cuda.max_memory_allocated() - base
+        else:
+            yield box
+    return measure()
+
+
+class _Runner:
+    def __init__(self, cfg: ReportConfig, progress: Progress) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.template = as_blocked_model(cfg.target.fn)
+        self.inputs = cfg.target.inputs
+        self.rows: dict[str, Row] = {k: Row(k, label, kind) for k, label, kind in STRATEGIES}
+        self.rows["ours_eager"].label = f"ours eager ({cfg.policy_label})"
+        self.rows["ours_compiled"].label = f"ours compiled ({cfg.policy_label})"
+        budget = cfg.budget
+        self.rows["ours_budget"].label = (
+            (f"ours compiled, budget {budget:g}" if isinstance(budget, float)
+             else f"ours compiled, budget {fmt_bytes(budget)}") + f" ({cfg.policy_label}, "
+            f"MUSTs relaxed)")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _copy(self) -> nn.Module:
+        return copy.deepcopy(self.template)
+
+    def _step_fn(self, model: Callable[..., Any], grads_model: nn.Module,
+                 ctx: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
+        inputs, seed = self.inputs, self.cfg.seed
+
+        def step() -> None:
+            clear_grads(grads_model, inputs)
+            torch.manual_seed(seed)
+            with ctx():
+                out = loss_of(model(*inputs))
+            out.backward()
+        return step
+
+    def _flops(self, step: Callable[[], Any]) -> int:
+        from torch.utils.flop_counter import FlopCounterMode
+        with FlopCounterMode(display=False) as fc:
+            step()
+        return int(fc.get_total_flops())
+
+    def _grads_after(self, step: Callable[[], Any], model: nn.Module) -> dict[str, torch.Tensor]:
+        step()
+        grads = grads_of(model, self.inputs)
+        clear_grads(model, self.inputs)
+        return grads
+
+    # -- eager -------------------------------------------------------------------------------
+    def eager(self, key: str) -> None:
+        row, model, inputs, seed = self.rows[key], self.template, self.inputs, self.cfg.seed
+        with _cuda_peak(self.cfg.device) as peak:
+            if key == "no_ac":
+                res = measure_noac(model, inputs, seed=seed, loss=loss_of)
+                row.kept_bytes, row.recomputed_ops = res.saved_bytes, 0
+                wrap = None
+            elif key == "full_ac":
+                exclude = param_storages(model)
+                clear_grads(model, inputs)
+                torch.manual_seed(seed)
+                with wrapped_blocks(model, full_ac), SavedBytes(exclude) as outside:
+                    out = loss_of(model(*inputs))
+                out.backward()
+                res_grads = grads_of(model, inputs)
+                clear_grads(model, inputs)
+                row.kept_bytes = outside.nbytes
+                # The ops full AC re-runs: upstream SAC with an empty save list recomputes the
+                # same ops, and its recompute mode counts them.
+                row.recomputed_ops = measure_torch_sac(model, inputs, [], seed=seed,
+                                                       loss=loss_of).recomputed_ops
+                wrap = full_ac
+            elif key == "torch_sac_eager":
+                res = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=seed,
+                                        loss=loss_of)
+                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+                wrap = torch_sac
+            elif key == "ours_eager":
+                res = measure_ours(model, inputs, self.cfg.policy, seed=seed, loss=loss_of)
+                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+                wrap = ours(self.cfg.policy)
+            else:  # pragma: no cover
+                raise KeyError(key)
+        row.grads = res_grads if key == "full_ac" else res.grads
+        row.peak_bytes = peak.get("peak", row.kept_bytes)
+        ctx = (lambda: wrapped_blocks(model, wrap)) if wrap else contextlib.nullcontext
+        row.step = self._step_fn(model, model, ctx)
+        row.flops_total = self._flops(row.step)
+        clear_grads(model, inputs)
+
+    # -- compiled ----------------------------------------------------------------------------
+    def compiled(self, key: str) -> None:
+        row = self.rows[key]
+        figures = PartitionFigures()
+        model = self._copy()
+        if key == "torch_sac_compiled":
+            wrap_blocks(model, torch_sac)
+            backend = upstream_backend(figures)
+            what = "torch's min_cut_rematerialization_partition"
+        else:
+            from ..compiler import make_backend
+            budget = self.cfg.budget if key == "ours_budget" else None
+            policy = self.cfg.policy if budget is None else relax_musts(self.cfg.policy)
+            wrap_blocks(model, ours(policy))
+            backend = make_backend(memory_budget=budget, on_partition=self._on_partition(
+                figures))
+            what = "the SAC min-cut partitioner" + (f" with memory_budget={budget!r}"
+                                                     if budget is not None else "")
+        compiled = torch.compile(model, backend=backend)
+        self.progress.say(f"compiling {row.label}: Dynamo trace -> AOTAutograd joint graph -> "
+                          f"{what} -> Inductor C++ code generation (first call; cached after)")
+        step = self._step_fn(compiled, model)
+        t0 = time.perf_counter()
+        try:
+            with _cuda_peak(self.cfg.device) as peak:
+                step()
+        except CheckpointError as e:   # e.g. a memory budget below what must be saved
+            torch._dynamo.reset()
+            row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
+            self.progress.say(f"{row.label}: failed: {row.note}")
+            return
+        row.compile_s = time.perf_counter() - t0
+        row.grads = grads_of(model, self.inputs)
+        clear_grads(model, self.inputs)
+        if not figures.splits:
+            row.note = "no partition was observed (an AOTAutograd cache hit?)"
+        row.kept_bytes = figures.kept_bytes
+        row.peak_bytes = peak.get("peak", row.kept_bytes)
+        row.recompute_flops = figures.recompute_flops
+        row.recomputed_ops = figures.recomputed_ops
+        row.step = step
+        self.progress.say(f"compiled {row.label} in {row.compile_s:.1f} s: "
+                          f"{len(figures.splits)} forward/backward split(s), keeps "
+                          f"{fmt_bytes(row.kept_bytes)}, recomputes {row.recomputed_ops} ops")
+
+    def _on_partition(self, figures: PartitionFigures) -> Callable[[Any], None]:
+        return OnPartition(figures, self.progress)
+
+    # -- all -------------------------------------------------------------------------------
+    def run(self) -> list[Row]:
+        order = [k for k, _, kind in STRATEGIES if kind == "eager"]
+        order += [k for k, _, kind in STRATEGIES if kind == "compiled"]
+        for key in order:
+            row = self.rows[key]
+            self.progress.set_phase(f"measuring {row.label}")
+            t0 = time.perf_counter()
+            if row.kind == "compiled" and not self.cfg.compile:
+                row.status, row.note = "skipped", "--no-compile"
+            elif row.kind == "eager":
+                self.eager(key)
+            else:
+                self.compiled(key)
+            log.debug("measured %s in %.2f s", key, time.perf_counter() - t0)
+            self.progress.advance()
+
+        live = {k: r for k, r in self.rows.items() if r.status == "ok"}
+        base_flops = self.rows["no_ac"].flops_total or 0
+        for r in live.values():
+            if r.kind == "eager":
+                r.recompute_flops = max(0, (r.flops_total or 0) - base_flops)
+        ref = self.rows["no_ac"].grads or {}
+        scale = max((g.abs().max().item() for g in ref.values()), default=0.0) or 1.0
+        for r in live.values():
+            r.grad_diff = max_grad_diff(ref, r.grads or {})
+            r.grad_rel = r.grad_diff / scale
+
+        self.progress.set_phase(f"timing {len(live)} strategies, {self.cfg.steps} rounds")
+        self.progress.say(f"timing: 1 warm-up round + {self.cfg.steps} interleaved rounds of "
+                          f"{len(live)} strategies")
+
+        def ticking(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def call() -> Any:
+                out = fn()
+                self.progress.advance()
+                return out
+            return call
+
+        # interleaved_medians collects garbage before every call; with Dynamo and Inductor
+        # loaded a full collection takes a good part of a second. Freezing what exists now
+        # leaves it only the objects the steps create.
+        gc.collect()
+        gc.freeze()
+        try:
+            timings = interleaved_medians({k: ticking(r.step) for k, r in live.items()},
+                                          reps=self.cfg.steps, warmup=1,
+                                          budget_s=self.cfg.time_budget_s)
+        finally:
+            gc.unfreeze()
+        for k, r in live.items():
+            r.time_ms = timings[k].median * 1e3
+            r.time_ratio = paired(timings, k, "no_ac")
+            r.rounds = len(timings[k].samples)
+        return [self.rows[k] for k, _, _ in STRATEGIES]
+
+
+def run_report(cfg: ReportConfig, progress: Progress) -> list[Row]:
+    """Measure every strategy; compiled ones under ``fallback_random`` (eager RNG) and with
+    the AOTAutograd cache off (so partitions are observed; Inductor's code cache stays on)."""
+    import torch._functorch.config as _functorch_config
+    import torch._inductor.config as _inductor_config
+    runner = _Runner(cfg, progress)
+    with _inductor_config.patch(fallback_random=True), \
+            _functorch_config.patch(enable_autograd_cache=False):
+        return runner.run()

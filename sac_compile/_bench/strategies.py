@@ -1,0 +1,156 @@
+"""The checkpointing strategies the report compares, as wrappers of a model's blocks,
+and the eager measurement of ours (the others are in :mod:`.measure`).
+
+A model is measured per block: ``model.blocks[i]`` runs as full AC, torch SAC, or our
+region ``blocks.{i}``. A model without ``.blocks`` (or a plain function) is one block.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+from .. import eager
+from ..regions import sac_region
+from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_storages,
+                      wrapped_blocks)
+from .models import clear_grads, grads_of, loss_fn
+
+__all__ = ["UnusableModel", "as_blocked_model", "loss_of", "full_ac", "torch_sac", "ours",
+           "relax_musts", "ours_blocks", "measure_ours"]
+
+
+class UnusableModel(ValueError):
+    """The model cannot be measured as given (e.g. nothing to differentiate); the message
+    says what to change."""
+
+
+class _CallableModule(nn.Module):
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class _WholeModel(nn.Module):
+    """A model without ``.blocks`` (or a plain function), checkpointed as one block."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        inner = inner if isinstance(inner, nn.Module) else _CallableModule(inner)
+        self.blocks = nn.ModuleList([inner])
+
+    def forward(self, *args: Any) -> Any:
+        return self.blocks[0](*args)
+
+
+def as_blocked_model(fn: Any) -> nn.Module:
+    """``fn`` if it has a ``.blocks`` list, else ``fn`` as the only block."""
+    if isinstance(fn, nn.Module) and isinstance(getattr(fn, "blocks", None), (nn.ModuleList, list,
+                                                                               tuple)):
+        return fn
+    return _WholeModel(fn)
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The fixtures' loss (``out.sum()``), extended to outputs that are tuples/dicts."""
+    if isinstance(out, torch.Tensor):
+        return out.sum()
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise UnusableModel("the model's output has no floating-point tensor that requires grad; "
+                         "return a differentiable output (report runs forward and backward)")
+    return functools.reduce(lambda a, b: a + b, (t.float().sum() for t in leaves))
+
+
+# --------------------------------------------------------------------------------------
+# Block wrappers: (block index, its forward) -> the forward the strategy runs
+# --------------------------------------------------------------------------------------
+
+def full_ac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, **k)
+
+
+def torch_sac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
+    ctx = functools.partial(tuc.create_selective_checkpoint_contexts, TORCH_SAVE_MATMUL_OPS)
+    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
+
+
+def relax_musts(policy: Any) -> Callable[..., Any]:
+    """``policy`` with MUST_SAVE/MUST_RECOMPUTE/MUST_CPU_OFFLOAD (and ``True``) answered as
+    the matching PREFER: what a memory budget may override."""
+    from ..policy import CheckpointPolicy as CP, normalize_policy
+
+    fn = normalize_policy(policy)
+    relaxed = {CP.MUST_SAVE: CP.PREFER_SAVE, CP.MUST_RECOMPUTE: CP.PREFER_RECOMPUTE,
+               CP.MUST_CPU_OFFLOAD: CP.PREFER_CPU_OFFLOAD, True: CP.PREFER_SAVE}
+
+    def relaxed_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(ctx, op, *args, **kwargs)
+        return relaxed.get(out, out) if isinstance(out, (CP, bool)) else out
+    return relaxed_policy
+
+
+
+def ours(policy: Any) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
+    def wrap(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
+        return sac_region(policy, name=f"blocks.{i}")(fwd)
+    return wrap
+
+
+def ours_blocks(model: nn.Module, policy: Any = "save_matmuls",
+                on_call: Callable[[tuple], None] | None = None) -> contextlib.AbstractContextManager:
+    """Run every ``model.blocks[i]`` as ``sac_region(policy, name=f"blocks.{i}")`` while the
+    context is active (the module objects are not replaced). ``on_call(args)`` sees the
+    arguments of every region call."""
+
+    def wrap(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
+        region = sac_region(policy, name=f"blocks.{i}")(fwd)
+        if on_call is None:
+            return region
+
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            on_call(args)
+            return region(*args, **kwargs)
+        return observed
+
+    return wrapped_blocks(model, wrap)
+
+
+def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", *,
+                 seed: int = 0, loss: Callable[[Any], torch.Tensor] = loss_fn,
+                 strategy: str = "sac_compile") -> StepResult:
+    """Every block as an eager region with ``policy``; figures from ``collect_stats()``."""
+    exclude = param_storages(model)
+    region_inputs = SavedBytes(exclude)
+
+    def record_inputs(args: tuple) -> None:
+        for a in args:
+            region_inputs.add(a)
+
+    clear_grads(model, inputs)
+    torch.manual_seed(seed)
+    with eager.collect_stats() as stats:
+        with ours_blocks(model, policy, record_inputs), SavedBytes(exclude) as outside:
+            out = loss(model(*inputs))
+        policy_bytes = stats.saved_bytes
+        out.backward()
+    recomputed = stats.recomputed_ops
+    recomputed = recomputed if isinstance(recomputed, int) else len(recomputed)
+    # Storages seen both outside and as region inputs count once; the runtime's own saved
+    # values cannot be matched against them (the stats hold sizes, not tensors), so a value
+    # saved by one region and passed into the next would count twice: never in our favour.
+    others = SavedBytes(exclude)
+    others.storages.update(outside.storages)
+    others.storages.update(region_inputs.storages)
+    grads = grads_of(model, inputs)
+    clear_grads(model, inputs)
+    return StepResult(strategy, policy_bytes + others.nbytes, policy_bytes, recomputed, grads)
