@@ -349,12 +349,14 @@ def test_batchnorm_buffers_update_once():
     assert bn.num_batches_tracked.item() == 1
 
 
-def test_no_grad_and_inference_mode_run_a_plain_forward():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode_run_a_plain_forward(mode):
     region = sc.sac_region("save_matmuls")(lambda x: sc.tag(x.sin(), P.MUST_SAVE) @ x)
-    with torch.no_grad():
-        region(X)
-    with torch.inference_mode():
-        region(X)
+    with collect_stats() as stats, mode():
+        out = region(X)
+    assert torch.equal(out, X.detach().sin() @ X.detach())
+    assert not out.requires_grad
+    assert stats.ops_recorded == 0 and stats.saved == [] and stats.decisions == []
 
 
 # --- regions, tag, name --------------------------------------------------------------------
