@@ -410,7 +410,7 @@ _DETERMINISM_CHECKS = ("default", "none")
 def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIVEN,
                use_reentrant: bool | None = None, context_fn: Any = None,
                preserve_rng_state: bool = True, determinism_check: str = "default",
-               debug: bool = False, **kwargs: Any) -> Any:
+               debug: bool = False, early_stop: bool = True, **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)`` as a region with ``policy`` (default ``"recompute_all"``).
 
     ``torch.utils.checkpoint.checkpoint``'s keywords are recognised, so a call written for
@@ -430,6 +430,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIV
       dtype and device; there is nothing for torch's check to catch.
     * ``debug``: accepted; there is no recomputation mismatch to trace. Use
       ``sac_compile.explain`` or ``SAC_COMPILE_LOGS`` to see what was saved and why.
+    * ``early_stop``: accepted; backward always recomputes only the values it unpacks
+      (as torch's ``True``), so ``False`` changes nothing.
+
+    As with torch's ``checkpoint``, ``fn`` cannot receive keyword arguments with these
+    names (nor ``policy``).
     """
     _check_target(fn)
     policy, allow = _checkpoint_options(policy, use_reentrant, context_fn, determinism_check)

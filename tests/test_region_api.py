@@ -358,7 +358,7 @@ def test_checkpoint_with_torchs_keywords_passes_only_the_others_to_fn(mode):
     def f(x, w):
         return sc.checkpoint(_scaled, x, w, scale=3.0, use_reentrant=False,
                              context_fn=context_fn, preserve_rng_state=False,
-                             determinism_check="none", debug=True)
+                             determinism_check="none", debug=True, early_stop=False)
 
     x, w = _xw()
     _assert_same_grads(_run(mode, f, x, w), _run("eager", lambda x, w: _scaled(x, w, scale=3.0),
