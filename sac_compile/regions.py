@@ -148,10 +148,10 @@ class RegionConfig:
         except Exception as e:
             raise CheckpointError(
                 f"cannot pickle the policy {self.spec!r} of region {self.frame.name!r} "
-                f"({type(e).__name__}: {e}). A wrapped module is pickled with its region's "
-                f"policy; make it picklable: a module-level function (not a lambda or a "
-                f"local function), functools.partial of one, a list of ops, or a preset name "
-                f"such as 'save_matmuls'") from e
+                f"({type(e).__name__}: {e}). A wrapped module (or a sac_region) is pickled "
+                f"with its region's policy; make it picklable: a module-level function (not a "
+                f"lambda or a local function), functools.partial of one, a list of ops, or a "
+                f"preset name such as 'save_matmuls'") from e
         return (_restore_config, (spec, self.frame.name, self.allow_cache_entry_mutation))
 
     def __repr__(self) -> str:
@@ -325,7 +325,11 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
     Use it as a decorator on a function, apply it to an ``nn.Module`` instance (its
     forward becomes the region; the same module is returned, see the module docstring),
     or as a context manager in eager mode (re-entrant and usable from several threads).
-    Regions nest: opinions resolve outermost to innermost, MUST beats PREFER.
+    Regions nest: opinions resolve outermost to innermost, MUST beats PREFER. Applying a
+    region to a function or module that already is one nests the new region outside.
+
+    A class, a generator function or an async function is a ``TypeError`` (calling it
+    would run no tensor code inside the region).
     """
 
     def __init__(self, policy: PolicyLike = "recompute_all", *, name: str | None = None,
@@ -377,17 +381,29 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
     def __exit__(self, *exc: Any) -> bool | None:
         return self._contexts().pop().__exit__(*exc)
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        del state["_local"]  # entered contexts belong to the thread that entered them
-        return state
+    # Copies and pickles carry the configuration, not the entered contexts (those belong to
+    # the thread that entered them). A pickle stores the policy as given.
+    def __copy__(self) -> sac_region:
+        new = object.__new__(sac_region)
+        new.__dict__.update(self.__dict__)
+        new._local = threading.local()
+        return new
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
+    def __deepcopy__(self, memo: dict) -> sac_region:
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        config = RegionConfig(self.spec, RegionFrame(self.name or "sac_region", self.policy),
+                              self.allow_cache_entry_mutation)
+        return (_restore_sac_region, (config, self.name))
 
     def __repr__(self) -> str:
         return f"sac_region({self.policy!r}, name={self.name!r})"
+
+
+def _restore_sac_region(config: RegionConfig, name: str | None) -> sac_region:
+    return sac_region(config.spec, name=name,
+                      allow_cache_entry_mutation=config.allow_cache_entry_mutation)
 
 
 def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: dict,

@@ -324,6 +324,23 @@ def test_one_region_object_entered_from_two_threads_at_once():
     assert len(results) == 2
 
 
+def test_a_region_object_copies_and_pickles_without_its_entered_contexts():
+    region = sc.sac_region([aten.mm], name="R", allow_cache_entry_mutation=True)
+    with region:
+        clone = copy.deepcopy(region)
+        loaded = pickle.loads(pickle.dumps(region))
+    for other in (clone, loaded):
+        assert (other.name, other.allow_cache_entry_mutation) == ("R", True)
+        assert repr(other.policy) == repr(region.policy)
+        x = _x().requires_grad_()
+        with other:
+            y = x.sin().exp()
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, (x.detach().sin().exp() * x.detach().cos()))
+    with pytest.raises(CheckpointError, match="cannot pickle the policy"):
+        pickle.dumps(sc.sac_region(lambda ctx, op, *a, **k: None))
+
+
 # --------------------------------------------------------------------------------------
 # 4. checkpoint() takes torch.utils.checkpoint's keywords
 # --------------------------------------------------------------------------------------
