@@ -10,11 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.backends.common import AotAutograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..report import PartitionReport
 from .normalize import remove_markers
 from .partition import SACPartitioner
+from .tagging import sac_partitioning
 
 __all__ = ["make_backend", "sac_backend"]
 
@@ -33,25 +35,34 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | None = No
             patches = {"custom_partitioner_fn": partitioner,
                        "post_grad_custom_pre_pass":
                            RemoveMarkers(config.post_grad_custom_pre_pass)}
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            with sac_partitioning():
+                return compile_fx(gm, example_inputs, config_patches=patches)
 
         backend = sac_inductor
     elif compiler == "aot_eager":
         from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
 
         def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             if remove_markers(gm.graph):  # an inference graph: never partitioned
                 gm.recompile()
             return make_boxed_func(gm.forward)
 
-        backend = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
-                               partition_fn=partitioner)
+        backend = _SACAotAutograd(fw_compiler=_boxed, bw_compiler=_boxed,
+                                  partition_fn=partitioner)
         backend.__name__ = "sac_aot_eager"  # type: ignore[attr-defined]
     else:
         raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {compiler!r}")
     backend.partitioner = partitioner  # type: ignore[attr-defined]
     return backend
+
+
+class _SACAotAutograd(AotAutograd):
+    """``aot_autograd(...)`` whose joint graphs are known, while they are traced, to be
+    split by our partitioner (regions then do not warn that they need it)."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        with sac_partitioning():
+            return super().__call__(gm, example_inputs, **kwargs)
 
 
 class RemoveMarkers(CustomGraphPass):

@@ -14,16 +14,14 @@ from torch.fx.experimental.proxy_tensor import py_sym_types
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "is_sym", "op_label"]
+__all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "is_sym", "is_opaque",
+           "op_label"]
 
 
 def _tensor_bytes(t: Any) -> int:
     if not isinstance(t, torch.Tensor):
         return 0
-    numel = t.numel()
-    if not isinstance(numel, int):
-        numel = torch.fx.experimental.symbolic_shapes.optimization_hint(numel, fallback=4096)
-    return int(numel) * t.dtype.itemsize
+    return _hint(t.numel(), fallback=4096) * t.dtype.itemsize
 
 
 def nbytes(node: fx.Node) -> int:
@@ -50,9 +48,22 @@ def flops(node: fx.Node) -> int:
         return 0
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     try:
-        return int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+        count = flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # a formula that cannot handle symbolic or unusual arguments
         return 0
+    return _hint(count, fallback=0)
+
+
+def _hint(value: Any, *, fallback: int) -> int:
+    """An int for a cost that may be symbolic (dynamic shapes), without ``int()``: that
+    would specialise the shape and add a guard, recompiling for every new size."""
+    if isinstance(value, int):
+        return value
+    try:
+        return int(torch.fx.experimental.symbolic_shapes.optimization_hint(
+            value, fallback=fallback))
+    except Exception:
+        return fallback
 
 
 def traffic(node: fx.Node) -> int:
@@ -94,3 +105,21 @@ def op_label(node: fx.Node) -> str:
 
 def is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), py_sym_types)
+
+
+def is_opaque(node: fx.Node) -> bool:
+    """A non-tensor, non-symbolic value the graph passes along as is: compiled autograd's
+    ``BackwardState`` (a tensor hook on a region's output), a script object, an opaque
+    object. Keeping it costs nothing; it is handed to the backward as torch's partitioner
+    hands it (``_extract_fwd_bwd_modules``' ``saved_opaque_nodes``, or directly)."""
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch.fx.experimental._backward_state import BackwardState
+
+    val = node.meta.get("val")
+    if isinstance(val, (BackwardState, FakeScriptObject, torch.ScriptObject)):
+        return True
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(is_opaque_node(node))

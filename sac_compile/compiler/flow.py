@@ -216,6 +216,8 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             save = 0.0
         elif isinstance(val, torch.Tensor) or costs.is_sym(v):
             save = float(costs.nbytes(v))
+        elif costs.is_opaque(v):
+            save = 0.0  # BackwardState, script/opaque objects: passed along, as upstream
         else:
             save = INF  # a tuple, or no value: only its getitems can be saved
         # -- recomputing v

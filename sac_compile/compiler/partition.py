@@ -191,11 +191,15 @@ class SACPartitioner(CustomPartitionerFn):
         from torch.fx.experimental.proxy_tensor import is_sym_node
         from torch.utils._ordered_set import OrderedSet
 
-        saved_sym = [n for n in saved if is_sym_node(n)]
-        saved_values = [n for n in saved if not is_sym_node(n)]
+        # As upstream: SymInts, then opaque objects, then tensors. A BackwardState
+        # (compiled autograd, a hook on a region's output) goes in with the tensors:
+        # torch's extraction hands it to the backward directly.
+        saved_sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
+        saved_opaque = [n for n in saved if _is_opaque_object(n)]
+        saved_values = [n for n in saved if not is_sym_node(n) and not _is_opaque_object(n)]
         fw, bw = _extract_fwd_bwd_modules(
-            gm, saved_values, saved_sym_nodes=saved_sym, num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_nodes=OrderedSet(static))
+            gm, saved_values, saved_sym_nodes=saved_sym, saved_opaque_nodes=saved_opaque,
+            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=OrderedSet(static))
         lap("extract")
         fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
         recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
@@ -223,7 +227,8 @@ class SACPartitioner(CustomPartitionerFn):
                 timings: dict[str, float], *, static: set[fx.Node] = frozenset()) -> None:
         joint = {n.name: n for n in gm.graph.nodes}
         saved = [joint[name] for name in saved_names
-                 if name in joint and "tangents" not in name and not costs.is_sym(joint[name])]
+                 if name in joint and "tangents" not in name and not costs.is_sym(joint[name])
+                 and not costs.is_opaque(joint[name])]
         names = set(saved_names)
         for node in saved:
             report.saved.append(SavedTensorRecord(
@@ -242,6 +247,24 @@ class SACPartitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(report)
         partition_log.debug("%s", report)
+
+
+def _is_opaque_object(node: fx.Node) -> bool:
+    """What upstream passes as ``saved_opaque_nodes`` (script and opaque objects);
+    a BackwardState is not one of them."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(is_opaque_node(node))
+
+
+def _is_assert_only_symbool(node: fx.Node) -> bool:
+    try:
+        from torch._functorch.partitioners import _is_assert_only_symbool as upstream
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(upstream(node))
 
 
 def raise_getitems_in_place(gm: fx.GraphModule) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..policy import Opinion, RegionFrame
-from .tagging import encode_opinion, name_op, region_contexts, tag_op
+from .tagging import encode_opinion, name_op, region_contexts, tag_op, take_eager_entry
 
 __all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback"]
 
@@ -42,7 +42,8 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
                allow_cache_entry_mutation: bool = False) -> Any:
     # name and policy travel separately: dynamo guards them as constants (ID_MATCH for the
     # policy), which a RegionFrame built inside traced code could not be.
-    context_fn = functools.partial(region_contexts, frame.name, frame.policy)
+    context_fn = functools.partial(region_contexts, frame.name, frame.policy,
+                                   allow_cache_entry_mutation)
     body = functools.partial(_region_body, frame.name, frame.policy, allow_cache_entry_mutation,
                              fn)
     return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
@@ -61,6 +62,8 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
     from ..policy import normalize_policy
     frame = RegionFrame(name, normalize_policy(policy))
     note_eager_fallback(frame)
+    if take_eager_entry():  # our context_fn already runs this call through the eager runtime
+        return fn(*args, **kwargs)
     with eager.eager_region(frame, allow):
         return fn(*args, **kwargs)
 

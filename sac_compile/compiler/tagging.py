@@ -23,6 +23,21 @@ the op created:
 Nested regions: only the innermost of our active modes writes, with the frames of all of
 them, so outer and inner opinions resolve as in eager mode (torch lets the inner one win).
 
+Who runs the region (:func:`region_contexts`, the ``context_fn`` of every region):
+
+* AOTAutograd tracing a joint graph for our partitioner (:func:`sac_partitioning`, set by
+  our backends, or Inductor's ``custom_partitioner_fn`` set to ours): the tagging mode.
+* AOTAutograd tracing for another partitioner (``backend="aot_eager"``, ``"inductor"``):
+  the tagging mode too - torch's partitioner reads ``node.meta["recompute"]`` and
+  functionalises recomputed random ops - plus one ``UserWarning`` per region name, since
+  tag()/name() opinions, reports and budgets need ours.
+* An inference graph (no tangents: never partitioned): random ops are tagged as saved, as
+  torch's forward-loss-backward remat pass refuses random ops tagged for recompute.
+* No tracing at all: a backend without AOTAutograd (``backend="eager"``) runs torch's
+  checkpoint op as Python, with ``preserve_rng_state=False``; the region then runs through
+  the eager runtime (:class:`_EagerRegion`), and the markers apply as eager
+  ``tag()``/``name()`` do.
+
 ``tag(t, opinion)`` and ``name(t, label)`` under compile become the identity marker ops
 ``sac_compile::tag_marker`` / ``sac_compile::name_marker``; :mod:`.normalize` folds them into the
 decision of the producer and removes them from the graph. A marker traced inside a region
@@ -31,9 +46,12 @@ one traced outside every region carries nothing and is a no-op, as in eager mode
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
+import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -114,6 +132,15 @@ class SACTaggingMode(TorchDispatchMode):
         # The ops this region call decided, kept by the outermost of our active modes for
         # the inert-policy warning when it exits (as the eager runtime does at region exit).
         self.decided: list[DecidedOp] = []
+        self.joint: bool | None = None  # see _joint
+
+    def _joint(self, graph: torch.fx.Graph) -> bool:
+        """Whether the graph being traced is a joint forward/backward graph (has tangents);
+        an inference graph (or one whose backward dynamo traced in) is not partitioned."""
+        if self.joint is None:
+            self.joint = any("tangents" in str(n.target)
+                             for n in graph.find_nodes(op="placeholder"))
+        return self.joint
 
     def __enter__(self) -> SACTaggingMode:
         _active().append(self)
@@ -170,8 +197,14 @@ class SACTaggingMode(TorchDispatchMode):
             ask = (frames, func, args, kwargs, out)
             stack[0].decided.append(DecidedOp(frames, func, decision))
         call = next(_call_ids)
+        joint = self._joint(graph)
         for node in itertools.islice(reversed(graph.nodes), new):
             write_decision(node, decision, path)
+            if not joint and _is_seeded(node) and decision.policy in _RECOMPUTES:
+                # A graph without tangents is never partitioned; torch's forward-loss-
+                # backward remat pass runs on it instead and refuses random ops tagged for
+                # recompute (even when no backward is traced in it): keep their values.
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             node.meta["sac_call"] = call
             node.meta["sac_op"] = func  # the op the policies were asked about
             node.meta["sac_region_id"] = self.region_id
@@ -181,6 +214,14 @@ class SACTaggingMode(TorchDispatchMode):
             if ask is not None:
                 node.meta["sac_ask"] = ask
         return out
+
+
+_RECOMPUTES = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _is_seeded(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def marker_producer(marker: torch.fx.Node) -> torch.fx.Node:
@@ -236,9 +277,143 @@ class NoOpMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def region_contexts(name: str, policy: Any) -> tuple[SACTaggingMode, NoOpMode]:
-    """``context_fn`` for ``torch.utils.checkpoint`` under compile (used via functools.partial)."""
-    return SACTaggingMode(RegionFrame(name, policy)), NoOpMode()
+def region_contexts(name: str, policy: Any, allow_cache_entry_mutation: bool = False) -> Any:
+    """``context_fn`` for ``torch.utils.checkpoint`` under compile (used via functools.partial).
+
+    While AOTAutograd traces: the tagging mode (and, once per region, a warning when the
+    joint graph will not be split by our partitioner). When torch's checkpoint op runs for
+    real - a backend without AOTAutograd (``backend="eager"``, a backend that runs dynamo's
+    graph as is) executes ``tag_activation_checkpoint`` eagerly, through
+    ``torch.utils.checkpoint`` with ``preserve_rng_state=False`` - the region runs through
+    the eager runtime instead, whose saved-tensor hooks take over from torch's: nothing is
+    left for torch to recompute (which would redraw random ops and update buffers twice).
+    """
+    frame = RegionFrame(name, policy)
+    if _runs_eagerly():
+        return _EagerRegion(frame, allow_cache_entry_mutation), contextlib.nullcontext()
+    if _joint_tracing() and not partitioned_by_us():
+        _warn_foreign_partitioner(name)
+    return SACTaggingMode(frame), NoOpMode()
+
+
+def _runs_eagerly() -> bool:
+    """No tracing of any kind: real tensors, torch's checkpoint op executed as Python."""
+    if torch.compiler.is_compiling():
+        return False
+    key = torch._C._TorchDispatchModeKey
+    return all(torch._C._get_dispatch_mode(k) is None
+               for k in (key.PROXY, key.FAKE, key.FUNCTIONAL))
+
+
+def _joint_tracing() -> bool:
+    """AOTAutograd is tracing a joint forward/backward graph (a graph with tangents),
+    i.e. one that a partitioner will split; not an inference graph."""
+    proxy_mode = _proxy_mode()
+    if proxy_mode is None:
+        return False
+    return any("tangents" in str(n.target)
+               for n in proxy_mode.tracer.graph.find_nodes(op="placeholder"))
+
+
+class _EagerRegion:
+    """The forward context of a region whose checkpoint op runs eagerly: the eager runtime
+    records the region, and its saved-tensor hooks are the innermost ones (torch's
+    checkpoint pushed its own just before; a nested region pushes ours again)."""
+
+    def __init__(self, frame: RegionFrame, allow: bool) -> None:
+        self.frame, self.allow = frame, allow
+        self._stack: contextlib.ExitStack | None = None
+        self._outer_entry: Any = None
+
+    def __enter__(self) -> _EagerRegion:
+        from .. import eager
+        from ..runtime.replay import unpack
+        stack = contextlib.ExitStack()
+        self._outer_entry = getattr(_state, "eager_entry", None)
+        _state.eager_entry = self
+        stack.callback(setattr, _state, "eager_entry", self._outer_entry)
+        try:
+            stack.enter_context(eager.eager_region(self.frame, self.allow))
+            recorder = eager.active_recorder()
+            if recorder is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack,
+                                                                             unpack))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
+
+
+def take_eager_entry() -> bool:
+    """For a region body that dynamo left to Python (a graph break in the region): True,
+    once, when the checkpoint context just entered already runs the region through the
+    eager runtime, so that the body does not open a second region for the same call."""
+    if getattr(_state, "eager_entry", None) is None:
+        return False
+    _state.eager_entry = None
+    return True
+
+
+# -- Who splits the joint graph? -------------------------------------------------------
+
+@contextlib.contextmanager
+def sac_partitioning() -> Any:
+    """Set by our backends around their compile: joint graphs traced inside are split by
+    :class:`~.partition.SACPartitioner`."""
+    depth = getattr(_state, "ours", 0)
+    _state.ours = depth + 1
+    try:
+        yield
+    finally:
+        _state.ours = depth
+
+
+def partitioned_by_us() -> bool:
+    """Whether the joint graph being traced will be split by our partitioner: inside one
+    of our backends, Inductor with ``custom_partitioner_fn`` set to ours, or a user's own
+    ``aot_autograd(partition_fn=SACPartitioner(...))`` (found as AOTAutograd's
+    ``partition_fn`` argument up the stack; AOTAutograd keeps no global of it)."""
+    if getattr(_state, "ours", 0):
+        return True
+    from .partition import SACPartitioner  # partition imports this module
+    try:
+        from torch._inductor import config
+        if isinstance(getattr(config, "custom_partitioner_fn", None), SACPartitioner):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(_partition_fn_on_stack(), SACPartitioner)
+
+
+def _partition_fn_on_stack() -> Any:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "aot_module_simplified":
+            return frame.f_locals.get("partition_fn")
+        frame = frame.f_back
+    return None
+
+
+_warned_foreign: set[str] = set()
+
+
+def _warn_foreign_partitioner(name: str) -> None:
+    if name in _warned_foreign:
+        return
+    _warned_foreign.add(name)
+    warnings.warn(
+        f"sac_compile: region {name!r} is compiled by a backend that splits forward and "
+        f"backward with torch's partitioner, not sac_compile's: torch applies the policy's "
+        f"decisions as its own SAC tags, but tag()/name() opinions (and policies that "
+        f"decide by name) are ignored, and no PartitionReport or memory budget applies. "
+        f"Compile with backend=sac_compile.sac_backend or sac_compile.make_backend(...) "
+        f"(or, with backend='inductor', set torch._inductor.config.custom_partitioner_fn="
+        f"sac_compile.compiler.SACPartitioner())", UserWarning, stacklevel=3)
 
 
 region_contexts.cache_hash = "sac_compile.region_contexts"  # type: ignore[attr-defined]
@@ -300,3 +475,27 @@ _MARKER_OPS = frozenset({TAG_OP, NAME_OP})
 # removes every marker before the cut, so nothing of it reaches the compiled code.
 for _op in (TAG_OP, NAME_OP, torch.ops.sac_compile.tag_marker, torch.ops.sac_compile.name_marker):
     torch.fx.node.has_side_effect(_op)
+
+
+# When torch's checkpoint op runs eagerly (a backend without AOTAutograd), the markers in
+# dynamo's graph run under the eager runtime's recorder: apply them as eager tag()/name()
+# do (same opinions, same errors), then record the marker as the identity op it is.
+def _marker_under_recorder(what: str) -> Any:
+    def rule(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from .. import regions
+        tensor, arg = args
+        if what == "tag":
+            regions.tag(tensor, decode_opinion(arg))
+        else:
+            regions.name(tensor, arg)
+        return mode.__torch_dispatch__(func, types, args, kwargs or {})
+    return rule
+
+
+def _register_marker_rules() -> None:
+    from ..runtime.record import RegionRecorder
+    tag_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("tag"))
+    name_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("name"))
+
+
+_register_marker_rules()
