@@ -49,7 +49,8 @@ from torch import nn
 
 from . import eager
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
-                     SaveWithHooks, coerce_opinion, foreign_tensor_message, normalize_policy)
+                     SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
+                     normalize_policy)
 
 T = TypeVar("T")
 
@@ -229,6 +230,15 @@ class _RegionModule:
     # Marks this function for _region_name (dynamo's ``is`` does not compare functions).
     forward._sac_region_forward = True  # type: ignore[attr-defined]
 
+    def __prepare_scriptable__(self) -> Any:
+        # torch.jit.script calls this first: a region is a Python runtime (a dispatch mode
+        # and saved-tensor hooks), which TorchScript cannot compile.
+        raise TypeError(
+            f"torch.jit.script cannot compile the sac_region {self._sac_regions[0].frame.name!r}: "
+            f"a region runs a Python runtime (a dispatch mode and saved-tensor hooks) that "
+            f"TorchScript cannot represent. Script the module without sac_region, or use "
+            f"torch.compile(model, backend=sac_compile.sac_backend), which keeps the region")
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickled as the original class (which pickle finds by name); the class is
         # swapped back on load. The region config travels in the instance's state.
@@ -368,6 +378,9 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
         return stack
 
     def __enter__(self) -> sac_region:
+        if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+            _keep_dynamo_out()  # this block may be in compiled code: enter outside Dynamo
+            return self.__enter__()
         if torch.compiler.is_compiling():
             raise CheckpointError(
                 f"`with sac_region(...)` is eager-only; under torch.compile decorate the "
@@ -411,8 +424,39 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
     if torch.compiler.is_compiling():
         from .compiler import regions_compiled
         return regions_compiled.run_region(frame, fn, args, kwargs, allow_cache_entry_mutation)
+    if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+        _keep_dynamo_out()
+    if torch.jit.is_tracing():
+        _warn_jit_trace(frame)
     with eager.eager_region(frame, allow_cache_entry_mutation):
         return fn(*args, **kwargs)
+
+
+_warned_jit_trace: set[str] = set()
+
+
+def _warn_jit_trace(frame: RegionFrame) -> None:
+    if frame.name in _warned_jit_trace:
+        return
+    _warned_jit_trace.add(frame.name)
+    import warnings
+    warnings.warn(
+        f"torch.jit.trace records the ops of sac_region {frame.name!r} without its "
+        f"checkpointing: the traced module saves what plain autograd saves. Trace the model "
+        f"for inference only, or use torch.compile(model, backend=sac_compile.sac_backend) to "
+        f"keep the region (warned once per region)", stacklevel=3)
+
+
+_dynamo_kept_out = False
+
+
+def _keep_dynamo_out() -> None:
+    """Dynamo is loaded, so this eager region may run inside compiled code (after a graph
+    break, or under a backend other than ours): importing the compiler package marks the
+    eager runtime as never traced (see ``compiler._keep_dynamo_out_of_the_eager_runtime``)."""
+    global _dynamo_kept_out
+    _dynamo_kept_out = True
+    from . import compiler  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------
@@ -530,15 +574,25 @@ def _check_tensor(what: str, tensor: Any) -> None:
 def tag(tensor: torch.Tensor, policy: CheckpointPolicy | SaveWithHooks | bool) -> torch.Tensor:
     """Decide for the op that produced ``tensor`` (the innermost opinion); returns ``tensor``."""
     _check_tensor("tag()", tensor)
+    if policy is None or not (isinstance(policy, (CheckpointPolicy, SaveWithHooks, bool))
+                              or _is_numpy_bool(policy)):
+        raise TypeError(_tag_type_message(policy))
     opinion = coerce_opinion(policy, "tag()", "<tag>")
-    if opinion is None:
-        raise TypeError("tag() needs a decision (a CheckpointPolicy, a bool or SaveWithHooks), "
-                        "got None")
     if torch.compiler.is_compiling():
         from .compiler import regions_compiled
         return regions_compiled.tag(tensor, opinion)
     _redecide("tag()", tensor, tag=opinion)
     return tensor
+
+
+def _tag_type_message(policy: Any) -> str:
+    hint = ""
+    if isinstance(policy, str) and policy.upper() in CheckpointPolicy.__members__:
+        hint = f"; use CheckpointPolicy.{policy.upper()}"
+    elif isinstance(policy, str) and policy in ("save_all", "recompute_all", "save_matmuls"):
+        hint = "; a preset is a region's policy (sac_region(...)), tag() takes one decision"
+    return (f"tag() takes a decision for the op that produced the tensor (a CheckpointPolicy, "
+            f"a bool or SaveWithHooks), got {policy!r} of type {type(policy).__name__}{hint}")
 
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import functools
 import io
 import pickle
 import re
+import re
 import threading
 
 import pytest
@@ -554,3 +555,69 @@ def test_policy_return_values_follow_one_rule(value, order, mode):
                 f"{type(returned).__name__}) for op aten.") + r".*a policy must return a "
                 r"CheckpointPolicy, a bool, None or SaveWithHooks"):
             _run(mode, region, x)
+
+
+# -- API edges: compile, tag types, TorchScript -----------------------------------------------
+
+def test_with_block_under_compile_runs_through_the_eager_runtime_quietly(recwarn):
+    """A `with sac_region(...)` block in compiled code is a clean graph break: its ops go
+    through the eager runtime (recorded, recomputed), and Dynamo does not trace into the
+    runtime (no warnings about torch internals)."""
+    from sac_compile.eager import collect_stats
+
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        x = x * 2
+        with sc.sac_region("recompute_all", name="W"):
+            y = x.sin().cos()
+        return y * 3
+
+    ref = torch.autograd.grad(f(x).sum(), x)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=sc.make_backend(compiler="aot_eager"))
+    with collect_stats() as stats:
+        got = torch.autograd.grad(compiled(x).sum(), x)[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert stats.ops_recorded == 2 and stats.recomputed_ops == ["aten.sin.default"]
+    assert not [w for w in recwarn if "Dynamo" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("value, hint", [("MUST_SAVE", "use CheckpointPolicy.MUST_SAVE"),
+                                         ("save_all", "a preset is a region's policy"),
+                                         (1, "got 1 of type int")])
+def test_tag_with_something_that_is_not_a_decision_is_a_type_error_naming_it(value, hint):
+    @sc.sac_region("recompute_all")
+    def f(x):
+        return sc.tag(x.sin(), value)
+
+    with pytest.raises(TypeError, match=r"tag\(\) takes a decision .*" + re.escape(hint)):
+        f(torch.randn(3, requires_grad=True))
+
+
+def test_tag_accepts_numpy_bool_like_a_bool():
+    np = pytest.importorskip("numpy")
+
+    @sc.sac_region("recompute_all")
+    def f(x):
+        return sc.tag(x.sin(), np.True_).cos()
+
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, -x.detach().sin().sin() * x.detach().cos())
+
+
+def test_torch_jit_script_of_a_wrapped_module_is_a_type_error_with_the_fix():
+    m = sc.sac_region("recompute_all")(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"torch\.jit\.script cannot compile the sac_region "
+                       r"'Linear'.*backend=sac_compile\.sac_backend"):
+        torch.jit.script(m)
+
+
+def test_torch_jit_trace_of_a_wrapped_module_warns_once_that_the_region_is_dropped():
+    m = sc.sac_region("recompute_all", name="Traced")(torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"torch\.jit\.trace records the ops of sac_region "
+                      r"'Traced' without its checkpointing"):
+        traced = torch.jit.trace(m, (x,))
+    torch.testing.assert_close(traced(x), m(x))
