@@ -236,3 +236,12 @@ def test_env_switch_enables_logger_and_artifact():
     only_artifact = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                                    text=True, env={**env, "SAC_COMPILE_LOGS": "sac_partition"})
     assert "hello-artifact" in only_artifact.stderr and "hello-debug" not in only_artifact.stderr
+
+
+def test_a_model_with_nothing_to_differentiate_is_a_usage_error(capsys, tmp_path):
+    path = tmp_path / "frozen.py"
+    path.write_text("import torch\n\ndef frozen():\n"
+                    "    return torch.nn.Linear(4, 4).requires_grad_(False), (torch.randn(2, 4),)\n")
+    msg = _bad(capsys, "report", "--model", f"{path}:frozen", "--no-compile", "--steps", "1",
+               "--out", str(tmp_path / "out"))
+    assert "no floating-point tensor that requires grad" in msg and "requires_grad_(False)" in msg

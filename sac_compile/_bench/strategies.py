@@ -61,13 +61,16 @@ def as_blocked_model(fn: Any) -> nn.Module:
 
 def loss_of(out: Any) -> torch.Tensor:
     """The fixtures' loss (``out.sum()``), extended to outputs that are tuples/dicts."""
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) and out.requires_grad:
         return out.sum()
     leaves = [t for t in torch.utils._pytree.tree_leaves(out)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:
-        raise UnusableModel("the model's output has no floating-point tensor that requires grad; "
-                         "return a differentiable output (report runs forward and backward)")
+        raise UnusableModel(
+            "the model's output has no floating-point tensor that requires grad (do its "
+            "parameters or inputs require grad? e.g. a model frozen with requires_grad_(False), "
+            "or built under torch.no_grad()); the report runs forward and backward, so give "
+            "it a model with trainable parameters or inputs with requires_grad=True")
     return functools.reduce(lambda a, b: a + b, (t.float().sum() for t in leaves))
 
 
