@@ -21,6 +21,7 @@ def run_report_command(args: Any) -> int:
     steps, time_budget = (args.steps, None) if args.steps is not None else (15, 30.0)
     policy_label, policy = resolve_policy(args.policy)
     target = load_target(args.model, size=args.size, seed=args.seed, device=device)
+    _check_something_requires_grad(args.model, target)
     out_dir = args.out
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -87,6 +88,18 @@ def run_report_command(args: Any) -> int:
         print("gradients DIFFER from no AC for: " + ", ".join(r.label for r in bad))
         return 1
     return 0
+
+
+def _check_something_requires_grad(spec: str, target: Any) -> None:
+    import torch
+    params = target.fn.parameters() if isinstance(target.fn, torch.nn.Module) else ()
+    if any(p.requires_grad for p in params) or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in target.inputs):
+        return
+    raise UsageError(f"--model {spec}: no parameter or input requires grad (a model frozen with "
+                     f"requires_grad_(False), or built under torch.no_grad()?); the report runs "
+                     f"forward and backward, so give it trainable parameters or inputs with "
+                     f"requires_grad=True")
 
 
 def _rounds(rows: list) -> int:
