@@ -25,7 +25,7 @@ import torch
 
 from .policy import RegionFrame
 from .runtime.record import RegionRecorder
-from .runtime.replay import unpack
+from .runtime.replay import unpack_hook
 from .runtime.stats import EagerStats, SavedValueRecord, collect_stats
 
 __all__ = ["EagerStats", "RegionRecorder", "SavedValueRecord", "active_recorder",
@@ -58,7 +58,7 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     recorder = RegionRecorder(frame, allow_cache_entry_mutation)
     _ACTIVE.recorder = recorder
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack), recorder:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack_hook()), recorder:
             yield
     finally:
         _ACTIVE.recorder = None

@@ -183,8 +183,10 @@ def _upstream_ban(node: fx.Node, op_types: Any) -> str | None:
 
 def _effectful_reason(node: fx.Node) -> str | None:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional":
-        return "collective"
+    from ..runtime.effects import effect_reason  # one predicate for both modes
+    reason = effect_reason(target)
+    if reason is not None:
+        return reason
     from torch._functorch._aot_autograd.utils import is_with_effects
     if is_with_effects(node):
         return "effectful op"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..policy import Decision, Opinion, op_name
+from .effects import effect_reason, is_process_group_collective
 from .stats import EagerStats
 
 _NON_DIFF_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -38,7 +39,8 @@ for _name in ("rrelu_with_noise",):
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
-    __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves")
+    __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves", "effect",
+                 "process_group")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -61,6 +63,11 @@ class OpInfo:
         # Ops writing Tensor(a!)[] (foreach, fused optimizers) bump versions without a
         # dispatch mode and none with one (torch 2.13): bump as the program would have.
         self.bump_ourselves = writes_lists and self.bumps_version
+        # "collective" / "effectful op": never replayed unless the policy says
+        # MUST_RECOMPUTE (see .effects); process_group: a collective with a Work handle,
+        # which cannot be replayed at all.
+        self.effect = effect_reason(op)
+        self.process_group = is_process_group_collective(op)
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -137,7 +144,7 @@ class OutRef:
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
                  "versions", "outs", "rng", "packed", "mutated_by", "seq",
-                 "names", "tag", "__weakref__")
+                 "names", "tag", "uses", "spent", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
                  ctx: ReplayContext, seq: int) -> None:
@@ -161,6 +168,12 @@ class OpNode:
         self.mutated_by: str | None = None      # op that mutated a saved output in forward
         self.names: frozenset[str] = frozenset()
         self.tag: Opinion | None = None
+        # Progressive release (compiled autograd holds every handle until its graph
+        # returns): ``uses`` is how often one backward reads this node (its handles'
+        # unpacks and the replays of the recomputed nodes that read it), counted when the
+        # region ends; ``spent`` counts them within the current backward. At the last one a
+        # recomputed value is dropped.
+        self.uses = self.spent = 0
 
     @property
     def region(self) -> str:

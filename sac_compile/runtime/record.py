@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..policy import (Decision, Opinion, RegionFrame, decide, make_decider, op_name,
-                      warn_inert_policies)
+from ..policy import (CheckpointError, CheckpointPolicy, Decision, DecidedOp, Opinion,
+                      RegionFrame, decide, make_decider, op_name, warn_inert_policies)
+from .effects import KeptDecision, kept_decision
 from .graph import (_NON_DIFF_DTYPES, OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef,
                     ReplayContext, SavedHandle, flat_outputs, map_refs, mutated_tensors,
                     nbytes, op_info, storage_key)
@@ -38,6 +39,7 @@ class RegionRecorder(TorchDispatchMode):
         self.decisions: list[OpNode] = []
         self.suspended = False
         self.caller_dispatch_keys: Any = None
+        self.kept_effects = False  # some collective/effectful op's outputs were kept
 
     def __enter__(self) -> RegionRecorder:
         # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
@@ -174,12 +176,33 @@ class RegionRecorder(TorchDispatchMode):
                 self._follow_unversioned_write(node, mutated, prior, outputs)
 
         decision = self.decider(func, args, kwargs, out)
+        if info.effect is not None:
+            decision = self._effect_rule(node, info, decision)
         if decision.saves:
             self._set_decision(node, decision)
         else:  # _set_decision's path for a first decision that saves nothing
             node.decision = decision
             self.decisions.append(node)
         return out
+
+    def _effect_rule(self, node: OpNode, info: Any, decision: Decision) -> Decision:
+        """Collectives and effectful ops are never replayed unless the policy says
+        MUST_RECOMPUTE: their outputs are kept (see .effects)."""
+        if decision.saves:
+            return decision
+        if decision.policy is CheckpointPolicy.MUST_RECOMPUTE:
+            if info.process_group:
+                raise CheckpointError(
+                    f"{node.describe()} is a collective issued through a ProcessGroup, and "
+                    f"region {decision.region or node.region!r} says MUST_RECOMPUTE; replaying "
+                    f"it in backward would issue it again with a Work handle nobody waits on, "
+                    f"so the runtime cannot. Use the functional collectives inside the region "
+                    f"(torch.distributed._functional_collectives, e.g. all_gather_tensor), "
+                    f"which replay as all_gather_into_tensor + wait_tensor, or let the policy "
+                    f"return None for {op_name(node.op)} (its outputs are then kept)")
+            return decision
+        self.kept_effects = True
+        return kept_decision(info.effect, node.region, decision)
 
     def _index_storages(self) -> None:
         self.leaves_by_storage = {}
@@ -283,6 +306,9 @@ class RegionRecorder(TorchDispatchMode):
                               tag=node.tag, tag_region=node.region)
         finally:
             self.suspended = False
+        info = op_info(node.op)
+        if info.effect is not None:
+            decision = self._effect_rule(node, info, decision)
         self._set_decision(node, decision)
         return True
 
@@ -323,7 +349,12 @@ class RegionRecorder(TorchDispatchMode):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
             _store_saved(node)
-        warn_inert_policies(self.decisions)
+        if self.kept_effects:  # the warning judges what the policies said
+            warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
+                                 if type(n.decision) is KeptDecision else n
+                                 for n in self.decisions])
+        else:
+            warn_inert_policies(self.decisions)
         for stats in self.ctx.stats:
             stats.ops_recorded += self.nodes_recorded
             stats.saved.extend(records)
@@ -343,16 +374,26 @@ def _needs_detach(t: torch.Tensor) -> bool:
 
 
 def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
-    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed."""
+    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed.
+
+    Also counts ``OpNode.uses``, how often one backward reads each node: once per handle,
+    once per recomputed node that reads it (compiled autograd's progressive release)."""
     needed: dict[int, OpNode] = {}
-    stack = [h.node for h in handles]
+    stack = []
+    for handle in handles:
+        node = handle.node
+        node.uses += 1
+        stack.append(node)
     while stack:
         node = stack.pop()
         if id(node) in needed:
             continue
         needed[id(node)] = node
         if not (node.decision is not None and node.decision.saves and node.value is not None):
-            stack.extend(node.deps)
+            deps = node.deps
+            for dep in deps:
+                dep.uses += 1
+            stack.extend(deps)
     return needed
 
 

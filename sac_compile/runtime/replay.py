@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ def unpack(packed: Any) -> torch.Tensor:
             return _unpack_foreign(packed)
         return packed
     node = packed.node
+    if _CA is not None and _CA.in_compiled_autograd_region:
+        return _unpack_progressive(packed)
     value = node.value
     if value is not None and node.mutated_by is None:
         versions = node.versions
@@ -36,6 +39,73 @@ def unpack(packed: Any) -> torch.Tensor:
         # Autograd's engine runs backward with grad mode off (unless create_graph): skip
         # two context managers per unpack.
         return _materialize(node)[packed.index]
+
+
+# -- compiled autograd ----------------------------------------------------------------------
+#
+# The autograd engine frees each saved variable once its node has run, so the handle, and
+# with it the recomputed value, goes as soon as backward is past it. Compiled autograd
+# holds every handle as an input of its graph until the graph returns: a value cached on
+# its node would stay alive to the end of backward (every region's at once). Under it,
+# each node counts its reads (``OpNode.uses``: its handles' unpacks and the replays of the
+# recomputed nodes that read it) and a recomputed node drops its value at the last one; it
+# keeps its arguments, so a second backward (retain_graph=True) recomputes it again.
+
+# torch._dynamo.compiled_autograd once Dynamo is loaded (``unpack_hook`` looks; compiled
+# autograd cannot run without it): its ``in_compiled_autograd_region`` is True while a
+# compiled-autograd graph runs.
+_CA: Any = None
+_DYNAMO_OPAQUE_UNPACK: Any = None
+
+
+def unpack_hook() -> Any:
+    """The unpack hook to register. Under compiled autograd, Dynamo compiles the backward
+    graph and would trace into ``unpack`` (its lock, the recorded op calls, the node
+    caches), breaking the graph inside it and guarding on runtime state. Once Dynamo is
+    loaded the hook is ``torch._dynamo.disable(unpack)``: Dynamo calls it as an opaque
+    function (one graph break per unpack, as for torch's own checkpoint hooks) and the
+    runtime runs as in eager mode. Without Dynamo loaded the plain function saves the
+    wrapper's cost (about a microsecond per unpack)."""
+    global _CA, _DYNAMO_OPAQUE_UNPACK
+    if _DYNAMO_OPAQUE_UNPACK is None:
+        if "torch._dynamo" not in sys.modules:
+            return unpack
+        from torch._dynamo import compiled_autograd
+        _CA = compiled_autograd
+        _DYNAMO_OPAQUE_UNPACK = torch._dynamo.disable(
+            unpack, reason="sac_compile's unpack hook runs the eager runtime (recompute)")
+    return _DYNAMO_OPAQUE_UNPACK
+
+
+def _unpack_progressive(packed: SavedHandle) -> torch.Tensor:
+    node = packed.node
+    ctx = node.ctx
+    with ctx.lock:
+        if node.value is not None and node.mutated_by is None:
+            out = _unpack_value(node, packed.index)
+        else:
+            with torch.no_grad(), _autocast_off(), _default_dtype(ctx.default_dtype):
+                out = _materialize(node, progressive=True)[packed.index]
+        node.spent += 1
+        if node.spent >= node.uses:  # the last read of this backward
+            node.spent = 0
+            _release(node)
+    return out
+
+
+def _unpack_value(node: OpNode, index: int) -> torch.Tensor:
+    value = node.value
+    versions = node.versions
+    if versions is not None and value[index]._version != versions[index]:
+        raise _mutated_after_region(node, index)
+    return value[index]
+
+
+def _release(node: OpNode) -> None:
+    """Drop a recomputed (or reused) value that can be recomputed again; never one the
+    decision keeps (a saved value, a collective's output)."""
+    if node.args is not None and not node.decision.saves:
+        node.value = node.versions = None
 
 
 def _unpack_foreign(saved: ForeignSaved) -> torch.Tensor:
@@ -83,12 +153,17 @@ def _stale_leaf(node: OpNode, leaf: LeafRef) -> CheckpointError:
         f"does not recompute it")
 
 
-def _materialize(target: OpNode) -> list[Any]:
-    """The outputs of ``target``, recomputing missing ancestors iteratively."""
+def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
+    """The outputs of ``target``, recomputing missing ancestors iteratively.
+
+    ``progressive`` (compiled autograd): a recomputed node keeps its arguments, and each
+    node that gets its value spends one use of each node it reads; those whose last use
+    this was drop their values once ``target`` is done."""
     if target.value is not None and target.mutated_by is None:
         return target.value
     stack = [target]
     expanded: set[int] = set()
+    done: list[OpNode] | None = [] if progressive else None
     while stack:
         node = stack[-1]
         if node.value is not None:
@@ -110,6 +185,8 @@ def _materialize(target: OpNode) -> list[Any]:
             if reused is not None:
                 node.value = reused
                 stack.pop()
+                if done is not None:
+                    done.append(node)
                 continue
             expanded.add(id(node))
             pushed = False
@@ -121,11 +198,30 @@ def _materialize(target: OpNode) -> list[Any]:
                 continue
         stack.pop()
         node.value = _replay(node)
+        if done is not None:
+            done.append(node)
+            continue
         # The node never needs its inputs again: dropping them frees ancestors whose
         # last consumer this was.
         node.args = node.kwargs = None
         node.deps = ()
+    if done:
+        _count_down(done, target)
     return target.value
+
+
+def _count_down(done: list[OpNode], target: OpNode) -> None:
+    """Each node in ``done`` got its value: one use of each node it reads is spent."""
+    last = []
+    for node in done:
+        for dep in node.deps:
+            dep.spent += 1
+            if dep.spent >= dep.uses:
+                dep.spent = 0
+                last.append(dep)
+    for dep in last:
+        if dep is not target:
+            _release(dep)
 
 
 def _check_not_mutated(node: OpNode) -> None:
@@ -270,6 +366,7 @@ def _replay(node: OpNode) -> list[Any]:
                 f"in shape or dtype. Make the policy save this op (MUST_SAVE)")
     for stats in node.ctx.stats:
         stats.recomputed_ops.append(op_name(node.op))
+        stats.track_replayed(outputs)
     return outputs
 
 

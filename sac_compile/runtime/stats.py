@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
+
+import torch
 
 from ..policy import Decision
 
@@ -29,6 +33,47 @@ class EagerStats:
         self.recomputed_ops: list[str] = []
         self.ops_recorded = 0
         self.decisions: list[tuple[str, Decision]] = []
+        # Values replay allocated (tensor outputs that are not views) whose memory is still
+        # alive, counted by weak references to their storages: what backward holds of
+        # recomputed values at one time (peak since collection began or reset_peak()).
+        self.replayed_alive = 0
+        self.replayed_peak = 0
+        self.replayed_bytes_alive = 0
+        self.replayed_bytes_peak = 0
+        self._alive: dict[int, tuple[Any, int]] = {}  # id(weakref) -> (weakref, bytes)
+
+    def track_replayed(self, outputs: list[Any]) -> None:
+        for t in outputs:
+            if type(t) is not torch.Tensor or t._is_view():
+                continue
+            try:
+                # The storage, not the tensor: an alias (autograd's, a compiled graph's)
+                # keeps the memory alive after the tensor object is gone. Storages keep
+                # their Python object while the memory lives, so the weak reference dies
+                # exactly when the memory is freed.
+                storage: Any = t.untyped_storage()
+                size = storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                storage, size = t, t.numel() * t.element_size()
+            ref = weakref.ref(storage, self._dead)
+            self._alive[id(ref)] = (ref, size)
+            self.replayed_alive += 1
+            self.replayed_bytes_alive += size
+            self.replayed_peak = max(self.replayed_peak, self.replayed_alive)
+            self.replayed_bytes_peak = max(self.replayed_bytes_peak, self.replayed_bytes_alive)
+
+    def _dead(self, ref: Any) -> None:
+        entry = self._alive.pop(id(ref), None)
+        if entry is None:
+            return
+        size = entry[1]
+        self.replayed_alive -= 1
+        self.replayed_bytes_alive -= size
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now (e.g. before a second backward)."""
+        self.replayed_peak = self.replayed_alive
+        self.replayed_bytes_peak = self.replayed_bytes_alive
 
     @property
     def saved_bytes(self) -> int:
