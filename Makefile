@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,report]"
+	$(PY) -m pip install -q -e ".[test,report,integrations]"
 	touch $(STAMP)
 
 # The quick suite; the slow tail (100k-op chain, 1,000-step leak runs, Inductor

@@ -205,3 +205,81 @@ def test_compose_takes_the_first_opinion():
     # The op list says PREFER_RECOMPUTE for the rest, so save_all is never asked.
     assert p(ctx, aten.cos.default) is P.PREFER_RECOMPUTE
     assert policies.compose(policies.save_matmuls)(ctx, aten.cos.default) is None
+
+
+# --- relaxed() and the matmul set ---------------------------------------------------------
+
+@pytest.mark.parametrize("answer, relaxed_answer", [
+    (P.MUST_SAVE, P.PREFER_SAVE), (P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE),
+    (P.MUST_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD), (True, P.PREFER_SAVE),
+    (P.PREFER_SAVE, P.PREFER_SAVE), (P.PREFER_RECOMPUTE, P.PREFER_RECOMPUTE),
+    (P.PREFER_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD), (False, P.PREFER_RECOMPUTE), (None, None),
+])
+def test_relaxed_turns_musts_into_the_matching_prefers(answer, relaxed_answer):
+    relaxed = policies.relaxed(lambda ctx, op, *a, **k: answer)
+    assert relaxed(sc.PolicyContext(), MM, X, W) is relaxed_answer
+
+
+def test_relaxed_keeps_hooks_and_presets_names():
+    hooks = SaveWithHooks(lambda t: t, lambda t: t)
+    assert policies.relaxed(lambda ctx, op, *a, **k: hooks)(sc.PolicyContext(), MM) is hooks
+    ctx = sc.PolicyContext()
+    relaxed = policies.relaxed(policies.save_matmuls)
+    assert repr(relaxed) == "relaxed(save_matmuls)"
+    assert relaxed(ctx, MM) is P.PREFER_SAVE and relaxed(ctx, aten.sin.default) is None
+    assert policies.relaxed([MM])(ctx, MM) is P.PREFER_SAVE       # the list forms too
+    assert policies.relaxed([MM])(ctx, aten.sin.default) is P.PREFER_RECOMPUTE
+    assert policies.relaxed("save_matmuls")(ctx, MM) is P.PREFER_SAVE
+    assert policies.relaxed(policies.recompute_all).constant is P.PREFER_RECOMPUTE
+
+
+def test_relaxed_saves_the_same_in_eager_mode_and_lets_a_budget_evict():
+    """Eager mode honours PREFER_SAVE: the relaxed preset saves the same matmuls. Compiled
+    with a memory budget, MUST_SAVE matmuls cannot be evicted; relaxed ones can."""
+    def fn(x, w1, w2):
+        return (x @ w1).sin() @ w2
+
+    x, w1, w2 = (torch.randn(64, 64, requires_grad=True) for _ in range(3))
+    assert decisions_of(fn, x, w1, w2, policy=policies.relaxed(policies.save_matmuls)) == \
+        {"aten.mm.default": "PREFER_SAVE", "aten.sin.default": "PREFER_RECOMPUTE"}
+
+    def saved_mms(policy, budget):
+        reports = []
+        torch._dynamo.reset()
+        region = sc.sac_region(policy, name="R")(fn)
+        backend = sc.make_backend(compiler="aot_eager", memory_budget=budget,
+                                  on_partition=reports.append)
+        torch.compile(region, backend=backend)(x, w1, w2).sum().backward()
+        torch._dynamo.reset()
+        return sum(r.op == "aten.mm.default" for r in reports[0].saved)
+
+    assert saved_mms(policies.relaxed(policies.save_matmuls), None) == 1
+    assert saved_mms(policies.relaxed(policies.save_matmuls), 1) == 0
+    with pytest.raises(CheckpointError):
+        saved_mms(policies.save_matmuls, 1)
+
+
+def test_matmul_ops_cover_grouped_batched_and_quantized_matmuls():
+    wanted = ["mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_grouped_mm",
+              "_scaled_grouped_mm", "_scaled_mm", "_int_mm", "_weight_int8pack_mm",
+              "_weight_int4pack_mm"]
+    for name in wanted:
+        if hasattr(aten, name):  # newer matmuls are optional: older torch lacks them
+            assert getattr(aten, name).default in policies.MATMUL_OPS, name
+
+
+@pytest.mark.skipif(not hasattr(aten, "_grouped_mm"), reason="torch without aten._grouped_mm")
+def test_save_matmuls_saves_grouped_mm_in_eager_mode():
+    """Mixture-of-experts layers run their experts as one grouped matmul."""
+    x = torch.randn(12, 16, requires_grad=True)
+    w = torch.randn(3, 16, 8, requires_grad=True)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+
+    def experts(x, w):
+        return torch._grouped_mm(x, w, offs=offs).relu() * 2
+
+    assert decisions_of(experts, x, w, policy=policies.save_matmuls)["aten._grouped_mm.default"] \
+        == "MUST_SAVE"
+    report = sc.explain(sc.sac_region(policies.save_matmuls)(experts), x, w, mode="eager")
+    assert "aten._grouped_mm.default" in report.saved_ops
+    assert "aten._grouped_mm.default" not in report.recomputed

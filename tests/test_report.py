@@ -177,3 +177,134 @@ def test_explain_eager_and_compile_have_the_same_shape():
     assert eager.saved_ops == compiled.saved_ops == {"aten.mm.default": 2} or \
         set(eager.saved_ops) == set(compiled.saved_ops)
     assert set(eager.recomputed) == set(compiled.recomputed) - {"aten.t.default"}
+
+
+# --- recompute FLOPs in both modes, parameters, coverage, estimated costs -----------------
+
+def _mlp_region(policy="recompute_all"):
+    @sac_region(policy, name="Block")
+    def block(x, w1, w2):
+        return torch.nn.functional.gelu(x @ w1) @ w2
+    return block
+
+
+def test_eager_explain_counts_recompute_flops_as_compile_does():
+    """Backward needs ``x @ w1`` (for gelu's backward): recompute_all replays that mm, and
+    both modes count it by flop_counter's rule, 2 x 64 x 256 x 1024."""
+    x = torch.randn(64, 256, requires_grad=True)
+    w1, w2 = torch.randn(256, 1024, requires_grad=True), torch.randn(1024, 256, requires_grad=True)
+    block = _mlp_region()
+    eager = explain(lambda *a: block(*a).sum(), x, w1, w2, mode="eager")
+    compiled = explain(lambda *a: block(*a).sum(), x, w1, w2, mode="compile")
+    assert eager.recomputed_ops["aten.mm.default"] == 1
+    assert eager.recompute_flops == compiled.recompute_flops == 2 * 64 * 256 * 1024
+
+
+def test_eager_explain_flops_ignore_backwards_own_matmuls():
+    """save_matmuls: only gelu is replayed (0 FLOPs by flop_counter's rules); backward's
+    own mms run meanwhile and are not recompute."""
+    x = torch.randn(16, 32, requires_grad=True)
+    w1, w2 = torch.randn(32, 64, requires_grad=True), torch.randn(64, 32, requires_grad=True)
+    block = _mlp_region(policies.save_matmuls)
+    report = explain(lambda *a: block(*a).sum(), x, w1, w2, mode="eager")
+    assert report.recomputed == ["aten.gelu.default"] and report.recompute_flops == 0
+
+
+def test_saved_bytes_without_regions_leave_parameters_out():
+    """No region, no tag: torch's partitioner splits the graph, and the report still says
+    which inputs are parameters (they are not counted)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64))
+    x = torch.randn(8, 64)
+    report = explain(model, x, mode="compile")
+    params = [r for r in report.saved if r.reason.startswith("parameter")]
+    assert params and all(r.is_input for r in params)
+    param_bytes = {p.numel() * p.element_size() for p in model.parameters()}
+    assert {r.nbytes for r in params} <= param_bytes
+    inputs = [r for r in report.saved if r.is_input and not r.reason.startswith("parameter")]
+    assert [r.nbytes for r in inputs] == [x.numel() * 4]
+    assert report.saved_bytes == sum(r.nbytes for r in report.saved if r not in params)
+    assert report.saved_bytes < 64 * 1024  # the 64 KiB weight is not in it
+
+
+def test_reports_say_what_each_mode_covers():
+    x = torch.randn(8, 16, requires_grad=True)
+    w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    block = _mlp_region(policies.save_matmuls)
+    # outside the region: sin saves its input (x's storage, 512 B)
+    eager = explain(lambda x, w1, w2: block(x.sin(), w1, w2).sum(), x, w1, w2, mode="eager")
+    assert "region internals" in eager.coverage and eager.outside_bytes == 8 * 16 * 4
+    assert "covers region internals" in str(eager)
+    assert "whole compiled graph" in PartitionReport(mode="compile").coverage
+
+
+# Two custom ops, as a library would register them: a matmul and an elementwise op.
+@torch.library.custom_op("sac_compile_test_report::matmul", mutates_args=())
+def _custom_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+@_custom_matmul.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _custom_matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return grad @ b.t(), a.t() @ grad
+
+
+_custom_matmul.register_autograd(_custom_matmul_backward,
+                                 setup_context=lambda ctx, inputs, output:
+                                 ctx.save_for_backward(*inputs))
+
+
+@torch.library.custom_op("sac_compile_test_report::shift", mutates_args=())
+def _custom_shift(a: torch.Tensor) -> torch.Tensor:
+    return a + 1
+
+
+@_custom_shift.register_fake
+def _(a):
+    return torch.empty_like(a)
+
+
+def test_op_flops_formula_zero_or_estimate():
+    from sac_compile.compiler.costs import is_cost_estimated, op_flops
+    a, b = torch.randn(8, 16), torch.randn(16, 32)
+    mm = torch.ops.sac_compile_test_report.matmul.default
+    shift = torch.ops.sac_compile_test_report.shift.default
+    assert op_flops(aten.mm.default, (a, b), {}, a @ b) == (2 * 8 * 16 * 32, False)
+    assert op_flops(aten.sin.default, (a,), {}, a.sin()) == (0, False)  # memory-bound
+    assert op_flops(mm, (a, b), {}, a @ b) == (2 * 8 * 16 * 32, True)   # like a matmul
+    assert op_flops(shift, (a,), {}, a + 1) == (2 * 8 * 16 * 4, True)   # bytes in + out
+    assert is_cost_estimated(mm) and is_cost_estimated(shift)
+    assert not is_cost_estimated(aten.mm.default) and not is_cost_estimated(aten.sin.default)
+    if hasattr(aten, "_grouped_mm"):  # no flop_counter formula: estimated, 2 x S x K x N
+        x, w = torch.randn(12, 16), torch.randn(3, 16, 8)
+        offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+        out = torch._grouped_mm(x, w, offs=offs)
+        assert op_flops(aten._grouped_mm.default, (x, w), {"offs": offs}, out) == \
+            (2 * 12 * 16 * 8, True)
+    # the CPU flash-attention kernel is counted by the flash formula, not estimated
+    q = torch.randn(1, 2, 8, 4)
+    out = aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)
+    flops, estimated = op_flops(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                (q, q, q), {}, out)
+    assert flops > 0 and not estimated
+
+
+def test_recomputed_custom_op_is_costed_and_flagged():
+    @sac_region("recompute_all", name="Custom")
+    def block(a, b):
+        return torch.ops.sac_compile_test_report.matmul(a, b).sin()
+
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 32, requires_grad=True)
+    report = explain(lambda a, b: block(a, b).sum(), a, b, mode="compile")
+    label = "sac_compile_test_report.matmul.default"
+    assert report.recomputed_ops[label] == 1
+    assert report.recompute_flops == 2 * 8 * 16 * 32
+    assert report.cost_estimated == [label]
+    assert f"cost estimated (no FLOP formula): {label}" in report.snapshot()
