@@ -4,7 +4,7 @@
 The public surface::
 
     CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
-    sac_region, checkpoint, tag, name                                  # where they apply
+    sac_region, checkpoint, apply_regions, tag, name                   # where they apply
     policies                                                           # presets that compose
     sac_backend, make_backend, SACPartitioner                          # torch.compile
     explain, PartitionReport, SavedTensorRecord                        # what was decided, why
@@ -13,7 +13,7 @@ from typing import Any
 
 from . import logs, policies  # logs: honours SAC_COMPILE_LOGS for every user, CLI or not
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
-from .regions import checkpoint, name, sac_region, tag
+from .regions import apply_regions, checkpoint, name, sac_region, tag
 
 # The compiler side imports torch._dynamo and Inductor: loaded on first use, so eager-only
 # users do not pay for it at import time.
@@ -37,6 +37,6 @@ def __getattr__(attr: str) -> Any:
     return value
 
 
-__all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "checkpoint",
+__all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
            "logs", "name", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"

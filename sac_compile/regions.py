@@ -460,6 +460,47 @@ def _keep_dynamo_out() -> None:
 
 
 # --------------------------------------------------------------------------------------
+# apply_regions: every matching block of a model, named by its path
+# --------------------------------------------------------------------------------------
+
+def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
+                  where: type | tuple[type, ...] | Callable[[str, nn.Module], bool],
+                  allow_cache_entry_mutation: bool = False) -> nn.Module:
+    """Make each submodule of ``model`` that ``where`` matches a region with ``policy``,
+    named by its path in ``model`` (``model.layers.0``), so reports tell blocks apart.
+
+    ``where`` is a module class (or a tuple of them), or a predicate ``(path, module)``.
+    Only the outermost matches are wrapped: one region per block, not one per layer inside
+    it. Returns ``model`` (its submodules are wrapped in place, as ``sac_region`` does)."""
+    if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(c, type)
+                                                                      for c in where)):
+        classes = where
+        matches: Callable[[str, nn.Module], bool] = lambda path, m: isinstance(m, classes)
+    elif callable(where):
+        matches = where
+    else:
+        raise TypeError(f"apply_regions(where=...) takes a module class, a tuple of classes or "
+                        f"a predicate (path, module) -> bool, got {where!r}")
+    wrapped: list[str] = []
+    for path, module in list(model.named_modules()):
+        if any(path == w or path.startswith(w + ".") for w in wrapped if w):
+            continue  # inside a block already wrapped
+        if not matches(path, module):
+            continue
+        region = sac_region(policy, name=path or _region_name(module),
+                            allow_cache_entry_mutation=allow_cache_entry_mutation)
+        region(module)
+        wrapped.append(path)
+        if not path:
+            break  # the model itself: everything is inside it
+    if not wrapped:
+        raise ValueError(f"apply_regions: no submodule of {type(model).__name__} matches "
+                         f"where={where!r}; pass the block class (e.g. type(model.layers[0])) "
+                         f"or a predicate")
+    return model
+
+
+# --------------------------------------------------------------------------------------
 # checkpoint: the function-call form, with torch.utils.checkpoint's keywords
 # --------------------------------------------------------------------------------------
 

@@ -621,3 +621,65 @@ def test_torch_jit_trace_of_a_wrapped_module_warns_once_that_the_region_is_dropp
                       r"'Traced' without its checkpointing"):
         traced = torch.jit.trace(m, (x,))
     torch.testing.assert_close(traced(x), m(x))
+
+
+# -- apply_regions --------------------------------------------------------------------------
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _regions_seen(model, compile_it):
+    seen = set()
+
+    def policy(ctx, op, *a, **k):
+        seen.add(ctx.region)
+        return sc.CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else None
+
+    sc.apply_regions(model, policy, where=_Block)
+    run = torch.compile(model, backend=sc.make_backend(compiler="aot_eager")) if compile_it \
+        else model
+    torch._dynamo.reset()
+    run(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compile"])
+def test_apply_regions_names_each_block_by_its_path_in_both_modes(compile_it):
+    assert _regions_seen(_Stack(), compile_it) == {"layers.0", "layers.1"}
+
+
+def test_apply_regions_wraps_only_the_outermost_matches_and_keeps_gradients():
+    torch.manual_seed(0)
+    ref = _Stack()
+    model = copy.deepcopy(ref)
+    sc.apply_regions(model, "save_matmuls",
+                     where=lambda path, m: isinstance(m, (_Block, torch.nn.Linear)))
+    assert type(model.layers[0]).__name__ == "SACRegion_Block"
+    assert type(model.layers[0].inner) is torch.nn.Linear  # inside a wrapped block
+    x = torch.randn(2, 4)
+    ref(x).sum().backward()
+    model(x).sum().backward()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=n)
+
+
+def test_apply_regions_with_no_match_is_an_error_with_the_fix():
+    with pytest.raises(ValueError, match=r"no submodule of _Stack matches.*type\(model\.layers"):
+        sc.apply_regions(_Stack(), "save_matmuls", where=torch.nn.Conv2d)

@@ -52,13 +52,14 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from ..policies import relaxed
 from ..policy import CheckpointError
 from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_medians,
                       measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
                       wrapped_blocks)
 from .models import clear_grads, grads_of, max_grad_diff
 from .partition_figures import OnPartition, PartitionFigures, upstream_backend
-from .strategies import (as_blocked_model, full_ac, loss_of, measure_ours, ours, relax_musts,
+from .strategies import (as_blocked_model, full_ac, loss_of, measure_ours, ours,
                          torch_sac)
 
 log = logging.getLogger("sac_compile.report")
@@ -252,7 +253,7 @@ class _Runner:
         else:
             from ..compiler import make_backend
             budget = self.cfg.budget if key == "ours_budget" else None
-            policy = self.cfg.policy if budget is None else relax_musts(self.cfg.policy)
+            policy = self.cfg.policy if budget is None else relaxed(self.cfg.policy)
             wrap_blocks(model, ours(policy))
             backend = make_backend(memory_budget=budget, on_partition=self._on_partition(
                 figures))

@@ -22,7 +22,7 @@ from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_stora
 from .models import clear_grads, grads_of, loss_fn
 
 __all__ = ["UnusableModel", "as_blocked_model", "loss_of", "full_ac", "torch_sac", "ours",
-           "relax_musts", "ours_blocks", "measure_ours"]
+           "ours_blocks", "measure_ours"]
 
 
 class UnusableModel(ValueError):
@@ -85,22 +85,6 @@ def full_ac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
 def torch_sac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
     ctx = functools.partial(tuc.create_selective_checkpoint_contexts, TORCH_SAVE_MATMUL_OPS)
     return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
-
-
-def relax_musts(policy: Any) -> Callable[..., Any]:
-    """``policy`` with MUST_SAVE/MUST_RECOMPUTE/MUST_CPU_OFFLOAD (and ``True``) answered as
-    the matching PREFER: what a memory budget may override."""
-    from ..policy import CheckpointPolicy as CP, normalize_policy
-
-    fn = normalize_policy(policy)
-    relaxed = {CP.MUST_SAVE: CP.PREFER_SAVE, CP.MUST_RECOMPUTE: CP.PREFER_RECOMPUTE,
-               CP.MUST_CPU_OFFLOAD: CP.PREFER_CPU_OFFLOAD, True: CP.PREFER_SAVE}
-
-    def relaxed_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        out = fn(ctx, op, *args, **kwargs)
-        return relaxed.get(out, out) if isinstance(out, (CP, bool)) else out
-    return relaxed_policy
-
 
 
 def ours(policy: Any) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
