@@ -23,9 +23,10 @@ and returns the report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -202,10 +203,57 @@ _ESTIMABLE_ATEN = _estimable_aten()
 
 
 def _backward_of(out: Any) -> None:
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
-              if isinstance(t, torch.Tensor) and t.requires_grad]
-    if leaves:
-        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    """Run the whole backward of ``out`` (every saved tensor is unpacked, as in training),
+    leaving the ``.grad`` of every leaf it reaches as it was."""
+    outputs = [t for t in torch.utils._pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs:
+        return
+    leaves = _leaves_reached(outputs)
+    grads_before = [t.grad for t in leaves]
+    for t in leaves:  # autograd would accumulate into them in place
+        t.grad = None
+    try:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    finally:
+        for t, g in zip(leaves, grads_before):
+            t.grad = g
+
+
+def _leaves_reached(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    for t in outputs:
+        if t.grad_fn is None and t.is_leaf:
+            leaves[id(t)] = t
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(leaves.values())
+
+
+@contextlib.contextmanager
+def _leaving_user_state_as_it_was(fn: Any) -> Iterator[None]:
+    """``explain`` runs ``fn`` once more than the user did: its random draws and buffer
+    updates (BatchNorm's running stats) must not change what the user's program sees."""
+    buffers = [(b, b.detach().clone()) for b in fn.buffers()] \
+        if isinstance(fn, torch.nn.Module) else []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() \
+        and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
 
 class _RecomputeFlops(TorchDispatchMode):
@@ -326,10 +374,16 @@ def explain(fn: Callable[..., Any], *args: Any, mode: str = "eager",
     partition of each forward/backward split, merged: the whole graph. Parameters and
     buffers are never counted in ``saved_bytes``.
     """
-    if mode == "eager":
-        return _explain_eager(fn, args, kwargs)
-    if mode != "compile":
+    if mode not in ("eager", "compile"):
         raise ValueError(f"explain(mode=...) takes 'eager' or 'compile', got {mode!r}")
+    with _leaving_user_state_as_it_was(fn):
+        if mode == "eager":
+            return _explain_eager(fn, args, kwargs)
+        return _explain_compiled(fn, args, kwargs, compiler)
+
+
+def _explain_compiled(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                      compiler: str) -> PartitionReport:
     from .compiler.backend import make_backend
 
     reports: list[PartitionReport] = []

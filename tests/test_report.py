@@ -5,10 +5,12 @@ Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/test_report.py``.
 from __future__ import annotations
 
 import expecttest
+import pytest
 import torch
 
 from fixtures.models import loss_fn, make_model
 from sac_compile import CheckpointPolicy as CP
+import sac_compile as sc
 from sac_compile import policies, sac_region
 from sac_compile.report import PartitionReport, SavedTensorRecord, explain, fmt_bytes
 
@@ -308,3 +310,23 @@ def test_recomputed_custom_op_is_costed_and_flagged():
     assert report.recompute_flops == 2 * 8 * 16 * 32
     assert report.cost_estimated == [label]
     assert f"cost estimated (no FLOP formula): {label}" in report.snapshot()
+
+
+# -- explain leaves the user's tensors as they were ------------------------------------------
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_explain_leaves_grads_rng_and_buffers_as_they_were(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    sc.sac_region("save_matmuls")(model[1])
+    x = torch.randn(4, 8, requires_grad=True)
+    model[0].weight.grad = torch.full_like(model[0].weight, 7.0)  # the user's accumulated grad
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    torch._dynamo.reset()
+    sc.explain(model, x, mode=mode)
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 7.0))
+    assert model[3].weight.grad is None and x.grad is None
+    assert torch.equal(model[1].running_mean, stats)
+    assert torch.equal(torch.get_rng_state(), rng)
