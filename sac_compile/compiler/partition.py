@@ -44,6 +44,8 @@ def _code_hash() -> str:
     from . import costs as m_costs, flow as m_flow, normalize as m_norm, tagging as m_tag
     files = [inspect.getfile(m) for m in (policy, m_costs, m_flow, m_norm, m_tag)]
     files.append(__file__)
+    from .storage import code_files as storage_files  # offload and SaveWithHooks passes
+    files.extend(storage_files())
     return get_hash_for_files(tuple(files)).hex()
 
 
@@ -177,7 +179,9 @@ class SACPartitioner(CustomPartitionerFn):
                     f"(saving it would exceed {fmt_bytes(res.budget_bytes)})",
                     region=_region(v)))
         lap("solve")
-        fw, bw, saved_names, recomputed = self._extract(gm, saved, static, num_fwd_outputs, lap)
+        from .storage import extract_with_storage  # + CPU offload and SaveWithHooks
+        fw, bw, saved_names, recomputed = extract_with_storage(
+            self._extract, gm, saved, static, num_fwd_outputs, lap)
         if counts.get("markers"):
             report.notes.append(f"{counts['markers']} tag()/name() markers folded")
         self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
@@ -243,6 +247,8 @@ class SACPartitioner(CustomPartitionerFn):
             for n in mod.graph.nodes:
                 for key in META_KEYS:
                     n.meta.pop(key, None)
+        from .storage import annotate_report  # bytes and reasons of offloaded/packed values
+        annotate_report(report, gm)
         self.last_report = report
         if self.on_partition is not None:
             self.on_partition(report)

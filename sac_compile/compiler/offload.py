@@ -1,0 +1,163 @@
+"""CPU offload under compile through torch's activation-offloading pass, and the torch APIs
+that the saved-value storage passes (:mod:`.storage`, :mod:`.save_hooks`) rely on.
+
+Every torch API these passes use is imported here, and only here (:func:`torch_api`), so
+that a torch without one of them fails with one message naming it (``TorchAPIMissing``)
+instead of an ``ImportError`` deep in a compile.
+
+Offload: the saved values whose decision offloads are marked ``should_offload`` in the
+extracted forward module, then torch's ``enable_activation_offloading`` (from
+``torch._functorch._activation_offloading``) checks them with its ``can_offload`` and
+rewrites both graphs: ``ao.offload`` after the value's last forward use, ``ao.reload``
+before its first backward use (``ao.wait_tensor`` after each). Its options are torch's
+``torch._functorch.config`` flags; where the user has not set them, :data:`DEFAULTS` apply:
+the copies run on a side stream, the forward's waits are sunk to the end of the forward
+graph and reloads are prefetched (torch's transfer-time estimate). The async path needs an
+accelerator at run time; the values it moves are on one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["TorchAPIMissing", "torch_api", "DEFAULTS", "offload_options", "refusal",
+           "apply_offload"]
+
+# torch._functorch.config flag -> our default when the user left torch's default.
+DEFAULTS: dict[str, bool] = {
+    "activation_offload_separate_stream": True,   # ao.offload/ao.reload on a side stream
+    "activation_offload_sink_wait": True,         # forward waits sunk to the graph's end
+    "activation_reload_prefetch": True,           # reloads moved earlier in the backward
+}
+
+# The minimum torch these passes were written against (the API set below).
+_WRITTEN_FOR = "2.13"
+
+
+class TorchAPIMissing(RuntimeError):
+    """This torch lacks an API the offload or save-hook passes need."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchAPI:
+    enable_activation_offloading: Any
+    can_offload: Any
+    offload_op: Any          # torch.ops.ao.offload.default
+    reload_op: Any           # torch.ops.ao.reload.default
+    wait_op: Any             # torch.ops.ao.wait_tensor.default
+    functorch_config: Any
+    fwd_only: Any            # torch._inductor.pattern_matcher.fwd_only (make_fx + decomps)
+    select_decomp_table: Any
+    extract_tensor_metadata: Any
+
+
+_API: list[TorchAPI] = []
+
+
+def torch_api() -> TorchAPI:
+    """The pinned torch APIs; :class:`TorchAPIMissing` naming the first one missing."""
+    if _API:
+        return _API[0]
+    where = ""
+    try:
+        where = "torch._functorch._activation_offloading.activation_offloading"
+        from torch._functorch._activation_offloading.activation_offloading import (
+            can_offload, enable_activation_offloading)
+        where = "torch.ops.ao.offload / reload / wait_tensor"
+        ops = (torch.ops.ao.offload.default, torch.ops.ao.reload.default,
+               torch.ops.ao.wait_tensor.default)
+        where = "torch._functorch.config.activation_offload_* flags"
+        import torch._functorch.config as functorch_config
+        for flag in DEFAULTS:
+            getattr(functorch_config, flag)
+        where = "torch._inductor.pattern_matcher.fwd_only"
+        from torch._inductor.pattern_matcher import fwd_only
+        where = "torch._inductor.decomposition.select_decomp_table"
+        from torch._inductor.decomposition import select_decomp_table
+        where = "torch._subclasses.fake_tensor.extract_tensor_metadata"
+        from torch._subclasses.fake_tensor import extract_tensor_metadata
+    except (ImportError, AttributeError) as e:
+        raise TorchAPIMissing(
+            f"sac_compile: torch {torch.__version__} lacks {where}, which CPU offload and "
+            f"SaveWithHooks under torch.compile use (written for torch >= {_WRITTEN_FOR}); "
+            f"upgrade torch, or keep these values on the device with MUST_SAVE/PREFER_SAVE "
+            f"({type(e).__name__}: {e})") from None
+    _API.append(TorchAPI(enable_activation_offloading, can_offload, *ops, functorch_config,
+                         fwd_only, select_decomp_table, extract_tensor_metadata))
+    return _API[0]
+
+
+def offload_options(device: torch.device | None = None) -> dict[str, bool]:
+    """torch's offload flags as they apply: the user's value where set, else ours.
+    Prefetching times the backward's compute ops by running them (torch's
+    ``benchmark_node``), so it is off unless ``device`` is the available accelerator's."""
+    cfg = torch_api().functorch_config
+    options = {flag: (getattr(cfg, flag) if not cfg._is_default(flag) else default)
+               for flag, default in DEFAULTS.items()}
+    if options["activation_reload_prefetch"] and not _runnable(device):
+        options["activation_reload_prefetch"] = False
+    return options
+
+
+def _runnable(device: torch.device | None) -> bool:
+    try:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
+            else None
+    except Exception:  # pragma: no cover - a torch without torch.accelerator
+        return False
+    return acc is not None and device is not None and acc.type == device.type
+
+
+def refusal(fw_node: fx.Node, fwd_outputs: Iterable[fx.Node], num_fwd_outputs: int,
+            static: set[fx.Node]) -> str | None:
+    """Why torch's pass would not offload ``fw_node`` (None: it will). Asks torch's own
+    ``can_offload``; the reason is ours (torch only logs it)."""
+    api = torch_api()
+    outs = list(fwd_outputs)
+    from torch.utils._ordered_set import OrderedSet
+    if api.can_offload(fw_node, OrderedSet(outs), OrderedSet(outs[:num_fwd_outputs]),
+                       OrderedSet(static)):
+        return None
+    from . import costs
+    val = fw_node.meta.get("val")
+    if fw_node in outs[:num_fwd_outputs]:
+        return "it is also an output of the compiled graph (the caller holds it)"
+    if fw_node in static:
+        return "it is a static input (a parameter or buffer)"
+    if fw_node.target is operator.getitem:
+        return ("it is one output of a multi-output op (torch's offload pass refuses "
+                "getitems)")
+    if costs.is_view(fw_node):
+        return "it is a view (torch's offload pass refuses views)"
+    if isinstance(val, torch.Tensor) and not val.is_contiguous():
+        return "it is not contiguous (torch's offload pass refuses non-contiguous values)"
+    return "torch's offload pass refuses it"
+
+
+def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: list[str],
+                  num_fwd_outputs: int, static_names: set[str]) -> dict[str, bool]:
+    """Mark the forward outputs named ``names`` ``should_offload`` and run torch's pass.
+    Returns the options it ran with."""
+    api = torch_api()
+    wanted = set(names)
+    for node in fw.graph.nodes:
+        if node.name in wanted:
+            node.meta["should_offload"] = True
+    from torch.utils._ordered_set import OrderedSet
+    static = OrderedSet(n for n in fw.graph.find_nodes(op="placeholder")
+                        if n.name in static_names)
+    device = next((n.meta["val"].device for n in fw.graph.nodes if n.name in wanted
+                   and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    options = offload_options(device)
+    with api.functorch_config.patch(options):
+        api.enable_activation_offloading(fw, bw, num_fwd_outputs, static)
+    for node in fw.graph.nodes:
+        node.meta.pop("should_offload", None)
+    fw.recompile()
+    bw.recompile()
+    return options
