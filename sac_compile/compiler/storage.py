@@ -281,8 +281,10 @@ def annotate_report(report: Any, gm: fx.GraphModule) -> None:
         counts.setdefault(note.kind, []).append(costs.nbytes(node))
         if note.nbytes is not None:
             counts.setdefault("packed", []).append(note.nbytes)
+        kind = getattr(r.reason, "kind", None)  # a Reason keeps its kind, with the new text
+        text = note.reason if kind is None else type(r.reason)(kind, note.reason)
         report.saved[i] = dataclasses.replace(
-            r, reason=note.reason, nbytes=r.nbytes if note.nbytes is None else note.nbytes)
+            r, reason=text, nbytes=r.nbytes if note.nbytes is None else note.nbytes)
     summary = gm.meta.get(SUMMARY_KEY) or {}
     if "offload" in counts:
         opts = summary.get("offload_options", {})

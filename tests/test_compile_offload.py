@@ -1,0 +1,184 @@
+"""CPU offload under compile (issue 12): torch's activation-offloading pass on the split graphs.
+
+Graph-level tests trace on the "meta" device (a non-CPU device without hardware): the
+partitioner's graphs are captured and only the forward runs (ao.reload needs an
+accelerator). On the CPU an offload is a plain save, and gradients are checked end to end.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+
+from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
+from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
+from sac_compile.compiler import SACPartitioner, make_backend
+from sac_compile.compiler.backend import _SACAotAutograd
+
+aten = torch.ops.aten
+
+
+class Captured:
+    def __init__(self):
+        self.fw = self.bw = self.report = None
+
+
+def capturing_backend(**options):
+    """aot_eager with our partitioner; keeps the last split's graphs and report."""
+    cap = Captured()
+    part = SACPartitioner(on_partition=lambda r: setattr(cap, "report", r), **options)
+
+    def partition(gm, inputs, **kwargs):
+        cap.fw, cap.bw = part(gm, inputs, **kwargs)
+        return cap.fw, cap.bw
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    backend = _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
+    return backend, cap
+
+
+def _meta_mlp(policy):
+    model, (x,) = make_model("mlp", size="test", device="meta")
+    for block in model.blocks:
+        sac_region(policy)(block)
+    return model, x
+
+
+def _ops(gm, name):
+    target = getattr(torch.ops.ao, name).default
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_offload_and_reload_placement_on_a_device():
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+    model, x = _meta_mlp(policies.offload_ops(aten.addmm))
+    backend, cap = capturing_backend()
+    torch.compile(model, backend=backend)(x)  # forward only: reload needs an accelerator
+    fw, bw, report = cap.fw, cap.bw, cap.report
+    offloads = _ops(fw, "offload")
+    reloads = _ops(bw, "reload")
+    rows = {r.name: r for r in report.saved}
+    offloaded = [r for r in report.saved if "offloaded to the CPU" in r.reason]
+    # Per block: fc1's addmm (gelu's backward reads it) and, standing in for fc2's addmm,
+    # the residual add that the cut keeps instead (LayerNorm's backward reads it).
+    assert len(offloads) == len(reloads) == len(offloaded) == 4, report
+    assert rows["addmm"].reason.startswith("MUST_CPU_OFFLOAD by policy in region 'MLPBlock'")
+    assert rows["add"].reason.startswith("stands in for addmm_1 (aten.addmm.default: "
+                                         "MUST_CPU_OFFLOAD by policy in region 'MLPBlock'")
+    assert any("CPU offload: 4 values" in n for n in report.notes), report.notes
+
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    out = fw.graph.find_nodes(op="output")[0]
+    for off in offloads:
+        value = off.args[0]
+        assert off.meta["val"].device.type == "cpu"
+        # after the value's last forward use (the wait that keeps it alive aside)
+        uses = [u for u in value.users if u is not off and u is not out
+                and u.target is not torch.ops.ao.wait_tensor.default]
+        assert uses and all(order[u] < order[off] for u in uses), (off, uses)
+        # the forward hands the CPU copy (after its wait) to the backward, not the value
+        assert value not in out.args[0][1:] or value in out.args[0][:1]
+    border = {n: i for i, n in enumerate(bw.graph.nodes)}
+    for rel in reloads:
+        placeholder = rel.args[0]
+        assert placeholder.op == "placeholder" and placeholder.meta["val"].device.type == "cpu"
+        assert rel.args[1] == torch.device("meta")
+        (wait,) = [u for u in rel.users if u.target is torch.ops.ao.wait_tensor.default]
+        # before the value's first backward use
+        assert wait.users and all(border[wait] < border[u] for u in wait.users)
+        assert set(placeholder.users) == {rel, wait}
+
+
+def _noncontiguous_block(policy):
+    @sac_region(policy, name="T")
+    def block(x):
+        y = x.t() * 2          # a pointwise op on a transpose: a non-contiguous output
+        return y.sin()         # sin's backward reads y
+    return block
+
+
+def test_must_offload_of_a_value_torch_refuses_is_an_error():
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+    block = _noncontiguous_block(
+        lambda ctx, op, *a, **k: CP.MUST_CPU_OFFLOAD if op is aten.mul.Tensor else None)
+    backend, _ = capturing_backend()
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    with pytest.raises(CheckpointError) as info:
+        torch.compile(block, backend=backend)(x)
+    msg = str(info.value)
+    assert "MUST_CPU_OFFLOAD of aten.mul.Tensor" in msg and "in region 'T'" in msg, msg
+    assert "not contiguous" in msg and "PREFER_CPU_OFFLOAD" in msg, msg
+
+
+def test_prefer_offload_of_a_value_torch_refuses_stays_on_the_device():
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+    block = _noncontiguous_block(
+        lambda ctx, op, *a, **k: CP.PREFER_CPU_OFFLOAD if op is aten.mul.Tensor else None)
+    backend, cap = capturing_backend()
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    torch.compile(block, backend=backend)(x)
+    (row,) = [r for r in cap.report.saved if r.op == "aten.mul.Tensor"]
+    assert row.reason == ("PREFER_CPU_OFFLOAD by policy in region 'T' (kept on the device "
+                          "under compile: it is not contiguous (torch's offload pass refuses "
+                          "non-contiguous values))"), row.reason
+    assert not _ops(cap.fw, "offload")
+    assert any("1 values decided for CPU offload kept on the device" in n
+               for n in cap.report.notes), cap.report.notes
+
+
+def test_offload_on_the_cpu_is_a_plain_save_with_exact_gradients():
+    torch._dynamo.reset()
+    ref_model, ref_inputs = make_model("mlp", size="test", seed=0)
+    ref = reference_grads(ref_model, ref_inputs, seed=0)
+    model, inputs = make_model("mlp", size="test", seed=0)
+    for block in model.blocks:
+        sac_region(policies.offload_ops(aten.addmm))(block)
+    reports = []
+    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
+                                                         on_partition=reports.append))
+    loss_fn(compiled(*inputs)).backward()
+    assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-6
+    (report,) = reports
+    rows = {r.name: r.reason for r in report.saved}
+    assert rows["addmm"] == ("MUST_CPU_OFFLOAD by policy in region 'MLPBlock' (the value is on "
+                             "the CPU: CPU offload is a plain save)"), rows
+    assert "stands in for addmm_1" in rows["add"] and "plain save" in rows["add"]
+
+
+def test_a_torch_without_the_offload_pass_is_named(monkeypatch):
+    from sac_compile.compiler import offload
+    monkeypatch.setattr(offload, "_API", [])
+    monkeypatch.setitem(sys.modules,
+                        "torch._functorch._activation_offloading.activation_offloading", None)
+    with pytest.raises(offload.TorchAPIMissing) as info:
+        offload.torch_api()
+    msg = str(info.value)
+    assert "torch._functorch._activation_offloading.activation_offloading" in msg
+    assert "MUST_SAVE" in msg and "upgrade torch" in msg
+
+
+def test_missing_offload_pass_under_compile(monkeypatch):
+    """MUST_CPU_OFFLOAD on a device value with no torch offload pass: a CheckpointError
+    saying so; the same with PREFER: kept on the device, the reason in the report."""
+    from sac_compile.compiler import offload
+    monkeypatch.setattr(offload, "_API", [])
+    monkeypatch.setitem(sys.modules,
+                        "torch._functorch._activation_offloading.activation_offloading", None)
+    torch._dynamo.reset()
+    model, x = _meta_mlp(policies.offload_ops(aten.addmm))
+    backend, _ = capturing_backend()
+    with pytest.raises(CheckpointError, match="lacks torch._functorch._activation_offloading"):
+        torch.compile(model, backend=backend)(x)
+    torch._dynamo.reset()
+    model, x = _meta_mlp(policies.relaxed(policies.offload_ops(aten.addmm)))
+    backend, cap = capturing_backend()
+    torch.compile(model, backend=backend)(x)
+    row = next(r for r in cap.report.saved if r.name == "addmm")
+    assert row.reason.startswith("PREFER_CPU_OFFLOAD") and "lacks" in row.reason, row.reason
