@@ -375,3 +375,418 @@ def programs(draw: Any, *, max_top: int = 5, max_body: int = 4, max_depth: int =
     return _Gen(draw, max_top=max_top, max_body=max_body, max_depth=max_depth,
                 ops=ops or OP_KEYS, foreign_tags=foreign_tags, bare_tags=bare_tags,
                 safe_tags=safe_tags).program()
+
+
+# ======================================================================================
+# The boundary family: programs that mutate across the region boundary
+# ======================================================================================
+#
+# A boundary program is Python source (see harness.check_boundary) defining
+#
+#   setup(w, b, buf) -> dict of modules        (optional: module regions, deep copies,
+#                                                state-dict round trips)
+#   program(mods, x, y, w, b, idx, buf, rm, rv) -> tuple of tensors   (the forward)
+#   after(outs, mods, x, y, w, b, idx, buf, rm, rv)   (optional: runs after the loss is
+#                                                taken and before backward)
+#
+# and uses real sac_compile for everything but ``sac_region``, which the namespace gives
+# (the real one, or a stub that leaves functions and modules as they are). tag()/name()
+# are sac_compile's own: no-ops outside every region, so the reference is plain autograd.
+#
+# What it draws (each a *feature*, so a campaign can be restricted to one):
+#   input_mut   in-place updates of region inputs after the region (``h += r(h)``)
+#   output_mut  in-place updates of region outputs and views of them, after the region
+#               or in after() (between the loss and backward)
+#   foreach     _foreach_* ops (out-of-place and in-place) inside regions; foreach updates
+#               of lists at the boundary
+#   param_mut   parameters updated in place under no_grad (optimizer-step style) after the
+#               region or before backward
+#   buffer      buffers read and then updated in place inside a region; buffer updates
+#               after the region
+#   rrelu       F.rrelu(training=True) (random, and it mutates its noise tensor)
+#   grad_mode   torch.no_grad() and torch.inference_mode() blocks inside regions
+#   module      module regions: wrapped, deep-copied, state-dict round trips
+#   dtype       factory ops inside regions (torch.full, arange, ...) and a default-dtype
+#               switch to float64 between forward and backward
+
+FEATURES = ("input_mut", "output_mut", "foreach", "param_mut", "buffer", "rrelu",
+            "grad_mode", "module", "dtype")
+
+# (key, ins, outs, template, flags, feature) inside region bodies, on top of OPS
+BOUNDARY_OPS: list[tuple[str, str, str, str, frozenset, str]] = []
+
+
+def _bop(feature: str, key: str, ins: str, outs: str, template: str, *flags: str) -> None:
+    BOUNDARY_OPS.append((key, ins, outs, template, frozenset(flags), feature))
+
+
+_bop("foreach", "foreach_mul", "ff", "f",
+     "_fa, _fb = torch._foreach_mul([{a}, {b}], 0.5)\n{o} = _fa * _fb")
+_bop("foreach", "foreach_add_list", "ff", "f",
+     "_fl = torch._foreach_add([{a}, {b}], [{b}, {a}])\n{o} = _fl[0].sin() + _fl[1]")
+_bop("foreach", "foreach_exp", "f", "f", "{o}, = torch._foreach_exp([{a}.clamp(-3.0, 3.0)])")
+_bop("foreach", "foreach_add_", "ff", "f", "{o} = {a} * 1.0\ntorch._foreach_add_([{o}], [{b}])",
+     "inplace")
+_bop("foreach", "foreach_mul_", "ff", "f",
+     "{o} = {a}.sin()\n_fo = {b}.cos()\ntorch._foreach_mul_([{o}, _fo], 1.5)\n{o} = {o} * _fo",
+     "inplace")
+# in-place on an existing value (a region input or an earlier value): "mutate"
+_bop("foreach", "foreach_mutate", "f", "", "torch._foreach_add_([{a}], 1.0)", "mutate")
+_bop("foreach", "foreach_mutate2", "f", "", "torch._foreach_mul_([{a}], [{a}])", "mutate")
+_bop("rrelu", "rrelu", "f", "f", "{o} = F.rrelu({a}, training=True)", "random")
+_bop("rrelu", "rrelu_mm", "f", "f", "{o} = F.rrelu({a} @ w, 0.1, 0.4, training=True)", "random")
+_bop("grad_mode", "no_grad_add", "ff", "f",
+     "with torch.no_grad():\n    _n = {a} * 2.0\n{o} = {b} + _n")
+_bop("grad_mode", "no_grad_mul", "ff", "f",
+     "with torch.no_grad():\n    _n = {a}.sin()\n{o} = {b} * _n")
+_bop("grad_mode", "inference_add", "ff", "f",
+     "with torch.inference_mode():\n    _n = {a}.cos()\n{o} = {b} + _n")
+_bop("grad_mode", "inference_clone", "ff", "f",
+     "with torch.inference_mode():\n    _n = {a}.cos()\n{o} = {b} * _n.clone()")
+_bop("grad_mode", "inference_mul", "ff", "f",
+     "with torch.inference_mode():\n    _n = {a}.cos()\n{o} = {b} * _n")
+_bop("grad_mode", "no_grad_mutate", "f", "", "with torch.no_grad():\n    {a}.mul_(0.5)",
+     "mutate")
+_bop("grad_mode", "inference_buf", "f", "f",
+     "{o} = {a} * buf\nwith torch.inference_mode():\n    buf.add_(0.5)")
+_bop("dtype", "full_mul", "f", "f", "{o} = {a} * torch.full((8,), 0.1)")
+_bop("dtype", "arange_add", "f", "f", "{o} = ({a} + torch.arange(8.0) / 3).sin()")
+_bop("dtype", "linspace_mul", "f", "f", "{o} = {a} * torch.linspace(0.0, 1.0, 8)")
+_bop("dtype", "tensor_mul", "f", "f", "{o} = {a} * torch.tensor(0.3)")
+_bop("dtype", "ones_div", "f", "f", "{o} = {a} / (torch.ones(4, 8) * 3)")
+_bop("dtype", "zeros_like_add", "f", "f", "{o} = ({a} + torch.zeros_like({a}) + 0.1).sin()")
+_bop("dtype", "empty_fill", "f", "f", "{o} = {a} * torch.empty(8).fill_(0.7)")
+_bop("dtype", "eye_mm", "f", "f", "{o} = {a} @ (torch.eye(8) / 3)")
+_bop("dtype", "rand_mul", "f", "f", "{o} = {a} * torch.rand(4, 8)", "random")
+_bop("buffer", "buf_read_update", "f", "f", "{o} = {a} * buf\nbuf.add_(0.5)", "inplace")
+_bop("buffer", "rv_read", "f", "f", "{o} = {a} * rv")
+_bop("buffer", "rm_update", "f", "", "rm.mul_(0.9).add_({a}.detach().mean(0), alpha=0.1)",
+     "inplace")
+
+BOUNDARY_OP_BY_KEY = {o[0]: o[:5] for o in BOUNDARY_OPS}
+ALL_OP_BY_KEY = {**OP_BY_KEY, **BOUNDARY_OP_BY_KEY}
+
+# in-place updates of a float (4, 8) value at the boundary: {t} the target, {u} another value
+MUTATIONS = ["{t}.mul_(1.5)", "{t} += {u}", "{t}.add_({u})", "{t}.relu_()", "{t}.sin_()",
+             "{t}[:, :3].mul_(2.0)", "{t}[1].add_(1.0)", "{t}.t()[:2].zero_()",
+             "{t}.copy_({u})", "{t}.sigmoid_()"]
+FOREACH_MUTATIONS = ["torch._foreach_add_([{t}], 1.0)", "torch._foreach_mul_([{t}, {u}], 1.5)",
+                     "torch._foreach_add_([{t}], [{u}])"]
+PARAM_MUTATIONS = ["{p}.add_(0.01)", "{p}.mul_(0.9)", "{p}.sub_({p} * 0.1)"]
+FOREACH_PARAM_MUTATIONS = ["torch._foreach_add_([w, b], 0.01)", "torch._foreach_mul_([w], 0.9)"]
+BUFFER_MUTATIONS = ["{p}.add_(1.0)", "{p}.mul_(0.5)"]
+FOREACH_BUFFER_MUTATIONS = ["torch._foreach_add_([rm, rv], 0.5)"]
+# how a module region is built in setup(): {P} policy, {R} name, {M} class
+MODULE_SETUPS = [
+    "m = sac_region({P}, name='{R}')({M}(w, b, buf))",
+    "m = copy.deepcopy(sac_region({P}, name='{R}')({M}(w, b, buf)))",
+    "m0 = sac_region({P}, name='{R}')({M}(w, b, buf))\nm = copy.deepcopy(m0)",
+    "src = sac_region({P}, name='{R}')({M}(w, b, buf))\n"
+    "m = sac_region({P}, name='{R}')({M}(w * 0, b * 0, buf * 0))\n"
+    "m.load_state_dict(src.state_dict())",
+    "src = {M}(w, b, buf)\nm = sac_region({P}, name='{R}')({M}(w * 0, b * 0, buf * 0))\n"
+    "m.load_state_dict(src.state_dict())",
+    "src = sac_region({P}, name='{R}')({M}(w, b, buf))\nm = {M}(w * 0, b * 0, buf * 0)\n"
+    "m.load_state_dict(src.state_dict())\nm = sac_region({P}, name='{R}')(m)",
+    "m = sac_region({P}, name='{R}')(copy.deepcopy({M}(w, b, buf)))",
+]
+B_OPINIONS = ["None", "CP.PREFER_RECOMPUTE", "CP.PREFER_SAVE", "CP.MUST_SAVE", "True", "False",
+              "CP.PREFER_CPU_OFFLOAD", "CP.MUST_CPU_OFFLOAD", "HOOKS", "CP.MUST_RECOMPUTE"]
+
+
+@dataclasses.dataclass
+class BoundaryProgram:
+    source: str
+    features: frozenset = frozenset()   # the features actually drawn
+    n_regions: int = 0
+    random: bool = False
+    has_after: bool = False
+
+    def __repr__(self) -> str:
+        return f"BoundaryProgram(source='''\n{self.source}''')"
+
+
+class _BGen(_Gen):
+    def __init__(self, draw: Any, *, features: frozenset, max_top: int, max_body: int,
+                 max_depth: int, exclude: frozenset = frozenset()) -> None:
+        ops = [k for k in OP_KEYS if k != "dropout"]  # F.dropout: eager/compile differ
+        ops += [o[0] for o in BOUNDARY_OPS if o[5] in features]
+        ops = [k for k in ops if k not in exclude]
+        super().__init__(draw, max_top=max_top, max_body=max_body, max_depth=max_depth,
+                         ops=ops, foreign_tags=False, bare_tags=True, safe_tags=False)
+        self.features = features
+        self.used_features: set[str] = set()
+        self.feature_of = {o[0]: o[5] for o in BOUNDARY_OPS}
+        self.region_inputs: list[str] = []
+        self.region_outputs: list[str] = []
+        self.modules: list[str] = []
+        self.module_classes: list[str] = []
+        self.setup_lines: list[str] = []
+        self.random = False
+
+    # -- ops inside regions (and outside) -------------------------------------------
+    def op(self, scope: list[_Var], used: set[str], lines: list[str], indent: str) -> None:
+        key = self.draw(st.sampled_from(self.ops))
+        _, ins, outs, template, flags = ALL_OP_BY_KEY[key]
+        if key in self.feature_of:
+            self.used_features.add(self.feature_of[key])
+        self.random |= "random" in flags
+        if "mutate" in flags:
+            cands = [v for v in scope if v.type == "f" and v.name not in ("x", "y")]
+            if not cands:
+                return
+            a = self.draw(st.sampled_from(cands))
+            used.add(a.name)
+            for line in template.format(a=a.name).split("\n"):
+                lines.append(indent + line)
+            return
+        args = []
+        for t in ins:
+            v = self.pick(scope, t, used)
+            if v is None:
+                return
+            args.append(v.name)
+        names = dict(zip("abc", args))
+        new = [self.fresh() for _ in outs]
+        if new:
+            names["o"] = new[0]
+        if len(new) > 1:
+            names["o2"] = new[1]
+        text = template.format(**names)
+        used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", text))
+        for line in text.split("\n"):
+            lines.append(indent + line)
+        for n, t in zip(new, outs):
+            scope.append(_Var(n, t, self.outer_id, "notag" in flags))
+
+    # -- policies: real sac_compile policies, so a repro needs no harness ------------
+    def policy(self) -> str:
+        kind = self.draw(st.sampled_from(["preset", "oplist", "save_ops", "table", "names",
+                                          "offload_ops", "reuse"]))
+        if kind == "reuse" and self.policies:
+            return self.draw(st.sampled_from(self.policies))
+        if kind in ("preset", "reuse"):
+            return repr(self.draw(st.sampled_from(["recompute_all", "save_matmuls",
+                                                   "save_all"])))
+        pname = f"P{len(self.policies) + 1}"
+        if kind in ("oplist", "save_ops", "offload_ops"):
+            ops = ", ".join(self.draw(st.lists(st.sampled_from(POLICY_OPS + PACKETS),
+                                               min_size=1, max_size=3, unique=True)))
+            expr = f"[{ops}]" if kind == "oplist" else f"sc.policies.{kind}({ops})"
+            self.regions_header.append(f"{pname} = {expr}")
+        elif kind == "names":
+            label = self.draw(st.sampled_from(LABELS))
+            self.regions_header.append(f"{pname} = sc.policies.save_only_these_names({label!r})")
+        else:
+            n = self.draw(st.integers(0, 3))
+            table = {}
+            for _ in range(n):
+                table[self.draw(st.sampled_from(POLICY_OPS))] = \
+                    self.draw(st.sampled_from(B_OPINIONS))
+            default = self.draw(st.sampled_from(B_OPINIONS))
+            entries = ", ".join(f"{k}: {v}" for k, v in table.items())
+            self.regions_header.append(
+                f"def {pname}(ctx, op, *args, **kwargs):\n"
+                f"    return {{{entries}}}.get(op, {default})\n")
+        self.policies.append(pname)
+        return pname
+
+    # -- regions: functions, or (outermost, feature "module") modules ----------------
+    def region(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+               depth: int) -> None:
+        self.nregion += 1
+        rid = self.nregion
+        outermost = depth == 0
+        if outermost:
+            self.outer_count += 1
+            self.outer_id = self.outer_count
+        # (the simplest draw, 0, shrinks to a function region without allow_...=True)
+        module = outermost and "module" in self.features and self.draw(st.integers(0, 2)) == 2
+        policy = self.policy()
+        allow = self.draw(st.integers(0, 5)) == 5
+        body_scope = list(scope)
+        self.body_start.append(len(body_scope))
+        body_used: set[str] = set()
+        body: list[str] = []
+        self.block(body_scope, body_used, body, "        " if module else "    ", depth + 1,
+                   self.draw(st.integers(1, self.max_body)))
+        self.body_start.pop()
+        defined = [v for v in body_scope if v not in scope]
+        outs = [v.name for v in defined]
+        ret = f"return ({', '.join(outs)}{',' if outs else ''})"
+        opts = [policy, f"name='R{rid}'"]
+        if allow:
+            opts.append("allow_cache_entry_mutation=True")
+        if module:
+            self.used_features.add("module")
+            params = [v.name for v in scope if v.name in body_used and v.name not in
+                      ("w", "b", "buf")]
+            cls = f"M{rid}"
+            self.module_classes.append(
+                f"class {cls}(torch.nn.Module):\n"
+                f"    def __init__(self, w, b, buf):\n"
+                f"        super().__init__()\n"
+                f"        self.w = torch.nn.Parameter(w.detach().clone())\n"
+                f"        self.b = torch.nn.Parameter(b.detach().clone())\n"
+                f"        self.register_buffer('buf', buf.detach().clone())\n\n"
+                f"    def forward(self, {', '.join(params)}):\n"
+                f"        w, b, buf = self.w, self.b, self.buf\n" + "\n".join(body) +
+                f"\n        {ret}\n")
+            how = self.draw(st.sampled_from(MODULE_SETUPS))
+            mname = f"m{rid}"
+            text = how.format(P=policy, R=f"R{rid}", M=cls)
+            text = re.sub(r"\bm0\b", f"{mname}_0", text)
+            text = re.sub(r"\bsrc\b", f"{mname}_src", text)
+            text = re.sub(r"\bm\b", mname, text)
+            self.setup_lines += ["    " + t for t in text.split("\n")]
+            self.modules.append(mname)
+            if f"{mname}_0" in text:
+                self.modules.append(f"{mname}_0")
+            if f"{mname}_src" in text and "sac_region" in text.split("\n")[0]:
+                self.modules.append(f"{mname}_src")
+            callee = f"mods[{mname!r}]"
+        else:
+            params = [v.name for v in scope if v.name in body_used]
+            fname = f"r{rid}"
+            self.regions.append("\n".join([f"@sac_region({', '.join(opts)})",
+                                           f"def {fname}({', '.join(params)}):", *body,
+                                           f"    {ret}"]) + "\n")
+            callee = fname
+        used.update(params)
+        target = f"{', '.join(outs)}{',' if outs else ''} = " if outs else ""
+        lines.append(f"{indent}{target}{callee}({', '.join(params)})")
+        scope.extend(defined)
+        self.region_inputs += [p for p in params if p not in self.region_inputs]
+        self.region_outputs += [o for o, v in zip(outs, defined) if v.type == "f"]
+        if outermost:
+            self.outer_id = 0
+
+    # -- boundary mutations ----------------------------------------------------------
+    def mutation(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+                 where: str) -> None:
+        """One in-place update at the boundary: ``where`` is "program" (after a region
+        call, in the forward) or "after" (between the loss and backward)."""
+        floats = [v.name for v in scope if v.type == "f" and v.name not in ("x", "y")]
+        kinds = []
+        f = self.features
+        if "input_mut" in f and any(n in floats for n in self.region_inputs):
+            kinds.append("input_mut")
+        if "output_mut" in f and any(n in floats for n in self.region_outputs):
+            kinds.append("output_mut")
+        if "param_mut" in f:
+            kinds.append("param_mut")
+        if "buffer" in f:
+            kinds.append("buffer")
+        if "dtype" in f and where == "after":
+            kinds.append("dtype")
+        if not kinds:
+            return
+        kind = self.draw(st.sampled_from(kinds))
+        self.used_features.add(kind)
+        stmt: str
+        if kind in ("input_mut", "output_mut"):
+            pool = self.region_inputs if kind == "input_mut" else self.region_outputs
+            cands = [n for n in pool if n in floats]
+            t = self.draw(st.sampled_from(cands))
+            others = [n for n in [v.name for v in scope if v.type == "f"] if n != t]
+            forms = list(MUTATIONS)
+            if "foreach" in f:
+                forms += FOREACH_MUTATIONS
+            form = self.draw(st.sampled_from(forms))
+            if "{u}" in form and not others:
+                form = MUTATIONS[0]
+            u = self.draw(st.sampled_from(others)) if "{u}" in form else ""
+            if form in FOREACH_MUTATIONS:
+                self.used_features.add("foreach")
+            stmt = form.format(t=t, u=u)
+            used.update({t, u} - {""})
+            if self.draw(st.integers(0, 3)) == 0:
+                stmt = "with torch.no_grad():\n    " + stmt
+        elif kind == "param_mut":
+            ps = ["w", "b"] + [f"mods[{m!r}].{p}" for m in self.modules for p in ("w", "b")]
+            forms = list(PARAM_MUTATIONS)
+            if "foreach" in f:
+                forms += FOREACH_PARAM_MUTATIONS
+            form = self.draw(st.sampled_from(forms))
+            if form in FOREACH_PARAM_MUTATIONS:
+                self.used_features.add("foreach")
+            stmt = "with torch.no_grad():\n    " + form.format(p=self.draw(st.sampled_from(ps)))
+        elif kind == "buffer":
+            bs = ["buf", "rm", "rv"] + [f"mods[{m!r}].buf" for m in self.modules]
+            forms = list(BUFFER_MUTATIONS)
+            if "foreach" in f:
+                forms += FOREACH_BUFFER_MUTATIONS
+            form = self.draw(st.sampled_from(forms))
+            if form in FOREACH_BUFFER_MUTATIONS:
+                self.used_features.add("foreach")
+            stmt = form.format(p=self.draw(st.sampled_from(bs)))
+        else:
+            stmt = "torch.set_default_dtype(torch.float64)"
+        for line in stmt.split("\n"):
+            lines.append(indent + line)
+
+    def block(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+              depth: int, n: int) -> None:
+        for _ in range(n):
+            choices = ["op", "op", "op", "tag"]
+            if depth < self.max_depth:
+                choices.append("region")
+            if self.region_inputs or self.region_outputs or depth == 0:
+                choices.append("mutation")
+            kind = self.draw(st.sampled_from(choices))
+            if kind == "op":
+                self.op(scope, used, lines, indent)
+            elif kind == "tag":
+                self.tag(scope, used, lines, indent, depth > 0)
+            elif kind == "region":
+                self.region(scope, used, lines, indent, depth)
+            else:
+                # inside a region body only value updates (a nested region's boundary)
+                saved = self.features
+                if depth > 0:
+                    self.features = saved & {"input_mut", "output_mut", "foreach"}
+                self.mutation(scope, used, lines, indent, "program")
+                self.features = saved
+
+    def program(self) -> BoundaryProgram:  # type: ignore[override]
+        self.regions_header: list[str] = []
+        scope = [_Var("x", "f", 0), _Var("y", "f", 0), _Var("idx", "i", 0)]
+        scope += [_Var(n, "p", 0) for n in GLOBALS]
+        used: set[str] = set()
+        lines: list[str] = []
+        # a first non-leaf value, so region inputs can be updated in place
+        first = self.draw(st.sampled_from(["x * 1.0", "x.clone()", "x.sin()", "x @ w"]))
+        lines.append(f"    v0 = {first}")
+        scope.append(_Var("v0", "f", 0))
+        self.block(scope, used, lines, "    ", 0, self.draw(st.integers(0, self.max_top - 1)))
+        self.region(scope, used, lines, "    ", 0)
+        self.block(scope, used, lines, "    ", 0, self.draw(st.integers(0, 3)))
+        outs = [v.name for v in scope if v.name != "idx" and v.type != "p"]
+        after: list[str] = []
+        for _ in range(self.draw(st.integers(0, 2))):
+            self.mutation(scope, set(), after, "    ", "after")
+        src = ["import copy", "import torch", "import torch.nn.functional as F",
+               "import sac_compile as sc", "from sac_compile import CheckpointPolicy as CP",
+               "aten = torch.ops.aten", "", *self.regions_header, "",
+               *[r + "\n" for r in self.regions], *[c + "\n" for c in self.module_classes]]
+        if self.modules:
+            src += ["def setup(w, b, buf):", *self.setup_lines,
+                    "    return {" + ", ".join(f"{m!r}: {m}" for m in self.modules) + "}",
+                    "", ""]
+        src += ["def program(mods, x, y, w, b, idx, buf, rm, rv):", *lines,
+                f"    return ({', '.join(outs)},)", ""]
+        if after:
+            src += ["", "def after(outs, mods, x, y, w, b, idx, buf, rm, rv):",
+                    f"    {', '.join(outs)}, = outs", *after, ""]
+        return BoundaryProgram("\n".join(src), frozenset(self.used_features),
+                               self.nregion, self.random, bool(after))
+
+
+@st.composite
+def boundary_programs(draw: Any, *, features: frozenset | tuple = FEATURES, max_top: int = 4,
+                      max_body: int = 4, max_depth: int = 2,
+                      exclude: frozenset | tuple = ()) -> BoundaryProgram:
+    """Random programs that update values in place across the region boundary.
+    ``exclude``: op keys (OPS, BOUNDARY_OPS) never drawn."""
+    return _BGen(draw, features=frozenset(features), max_top=max_top, max_body=max_body,
+                 max_depth=max_depth, exclude=frozenset(exclude)).program()

@@ -1,11 +1,22 @@
 """The long fuzz campaign (``make fuzz``): thousands of random programs, counts printed.
 
     python tests/fuzzlib/run.py [--eager 1800] [--compile 200] [--seed 0] [--inductor 0]
-                                [--safe-tags]
+                                [--safe-tags] [--boundary 3000] [--boundary-compile 200]
+                                [--features input_mut,output_mut,...]
+
+Two families. The first (gen.programs) checks decisions, outputs and gradients against an
+independent oracle. The boundary family (gen.boundary_programs) updates values in place
+across the region boundary (region inputs and outputs, parameters, buffers, foreach ops,
+rrelu, no_grad/inference_mode blocks, module copies, default-dtype switches) and is checked
+against plain autograd (harness.check_boundary): every program ends exact, both-raised,
+CheckpointError (naming the region), forward-values or unverified, or fails as a silent
+mismatch or another failure.
 
 Pass 1 runs every program and counts outcomes without stopping. If any failed, pass 2
 replays the same seed with hypothesis shrinking on, and prints the minimal failing program
-as a standalone repro script. Exit status 1 when anything failed.
+as a standalone repro script; for the boundary family, one per feature that fails on its
+own (a campaign drawing only that feature) and per category. Exit status 1 when anything
+failed.
 
 Programs place tag()/name() anywhere: inside and outside regions, on values from outside
 the region (an error in both modes), with the result unused. ``--safe-tags`` keeps compiled
@@ -20,6 +31,7 @@ import re
 import sys
 import time
 import warnings
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,7 +39,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzzlib import harness  # noqa: E402
-from fuzzlib.gen import programs  # noqa: E402
+from fuzzlib.gen import FEATURES, boundary_programs, programs  # noqa: E402
 
 
 def _kind(message: str) -> str:
@@ -92,6 +104,148 @@ def campaign(n: int, modes: tuple, compiler: str, seed_: int, safe_tags: bool,
         print(str(e))
 
 
+# -- the boundary family -----------------------------------------------------------------
+
+B_OUTCOMES = ("exact", "forward-values", "both-raised", "CheckpointError", "unverified",
+              "as-torch.compile")
+
+
+def boundary_campaign(n: int, modes: tuple, seed_: int, features: tuple, counts: Any,
+                      failures: Any, label: str, *, shrink_to: str | None = None,
+                      failed_features: Any = None) -> str | None:
+    """Run ``n`` boundary programs. With ``shrink_to`` (a failure category), the same
+    programs run until the first failure of that category, which hypothesis shrinks; the
+    standalone repro is returned."""
+    small = "compile" in modes
+    strategy = boundary_programs(features=features, max_top=3 if small else 4,
+                                 max_body=3 if small else 4)
+    done = [0]
+    start = time.time()
+    phases = [Phase.generate, Phase.shrink] if shrink_to else [Phase.generate]
+
+    @seed(seed_)
+    @settings(max_examples=n, deadline=None, database=None, phases=phases,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(strategy)
+    def one(program):
+        done[0] += 1
+        try:
+            outcomes = harness.check_boundary(program.source, modes=modes)
+        except harness.FuzzFailure as e:
+            category = getattr(e, "category", "other failure")
+            if shrink_to:
+                if category == shrink_to:
+                    raise _Shrunk(program.source, e)
+                return
+            counts[f"{label}: programs"] += 1
+            counts[f"{label}: {category}"] += 1
+            known = harness.explain_failure(program.source, modes)
+            counts[f"{label}: {category}: {known or 'unexplained'}"] += 1
+            failures[f"{label}: {_kind(str(e))}"] += 1
+            if failed_features is not None:
+                failed_features.update(program.features)
+            return
+        if shrink_to:
+            return
+        counts[f"{label}: programs"] += 1
+        for mode, outcome in outcomes.items():
+            counts[f"{label}: {mode}: {outcome}"] += 1
+        for f in program.features:
+            counts[f"{label}: (feature) {f}"] += 1
+        if done[0] % 500 == 0:
+            print(f"  {label}: {done[0]}/{n} in {time.time() - start:.0f} s", flush=True)
+
+    if not shrink_to:
+        one()
+        return None
+    try:
+        one()
+    except _Shrunk as shrunk:
+        source, e = shrunk.args
+    else:
+        return None
+    # then shrink the text: delete statements while the same kind of failure remains
+    sig = _signature(e)
+
+    def fails(candidate: str) -> bool:
+        try:
+            harness.check_boundary(candidate, modes=modes)
+        except harness.FuzzFailure as e2:
+            return _signature(e2) == sig
+        return False
+
+    source = harness.reduce_boundary(source, fails)
+    try:
+        harness.check_boundary(source, modes=modes)
+    except harness.FuzzFailure as e2:
+        e = e2
+    mode = "compile" if str(e).startswith("compile") else "eager"
+    known = harness.explain_failure(source, modes)
+    return (f"{getattr(e, 'category', 'other failure')}: {e}\n"
+            f"(known kind: {known or 'none, a new failure'})\n\n" +
+            harness.repro_boundary(source, failure=str(e), mode=mode))
+
+
+class _Shrunk(Exception):
+    """The minimal failing program hypothesis found (source, failure)."""
+
+
+def _signature(e: BaseException) -> tuple:
+    """What must stay the same while a failing program is reduced: the category, the mode,
+    whether plain autograd raised, and for other failures the exception's first line."""
+    first = str(e).split("\n")[0]
+    category = getattr(e, "category", "other failure")
+    if category == "other failure":
+        return category, _kind(first)
+    return category, first.split(":")[0]
+
+
+def print_boundary(counts: Any, label: str, modes: tuple, seconds: float) -> None:
+    total = counts[f"{label}: programs"]
+    print(f"\n{label}: {total} programs in {seconds:.0f} s")
+    for mode in modes:
+        for o in B_OUTCOMES:
+            if o == "as-torch.compile" and mode == "eager":
+                continue
+            print(f"  {counts[f'{label}: {mode}: {o}']:6d}  {mode}: {o}")
+    for category in ("silent mismatch", "other failure"):
+        kinds = sorted((k.split(": ")[-1], v) for k, v in counts.items()
+                       if k.startswith(f"{label}: {category}: "))
+        print(f"  {counts[f'{label}: {category}']:6d}  {category}s" + (
+            " (" + ", ".join(f"{v} {k}" for k, v in kinds) + ")" if kinds else ""))
+    if counts[f"{label}: harness"]:
+        print(f"  {counts[f'{label}: harness']:6d}  harness errors (the reference itself)")
+    feats = sorted((k.split(') ')[1], v) for k, v in counts.items()
+                   if k.startswith(f"{label}: (feature)"))
+    print("  programs per feature drawn: " + ", ".join(f"{k} {v}" for k, v in feats))
+
+
+def shrink_boundary(n: int, modes: tuple, seed_: int, label: str, failed: Any,
+                    categories: list, deadline: float) -> None:
+    """One shrunk repro per feature that fails on its own, per failure category; the
+    whole family's first failure when no single feature does. No new campaign starts
+    after ``deadline`` (time.time())."""
+    found = set()
+    for category in categories:
+        for feature in [f for f in FEATURES if f in failed]:
+            if time.time() > deadline:
+                print("\n(shrink budget spent: --shrink-budget)")
+                return
+            sub = f"{label} [{feature} only]"
+            print(f"\nshrinking {category} with only '{feature}' ({sub}) ...", flush=True)
+            out = boundary_campaign(min(n, 300), modes, seed_, (feature,), None, None, sub,
+                                    shrink_to=category)
+            if out:
+                found.add(category)
+                print(out, flush=True)
+            else:
+                print("  (none in 300 programs drawing only this feature)")
+        if category not in found and time.time() < deadline:
+            print(f"\nshrinking the first {category} of {label} ...", flush=True)
+            print(boundary_campaign(n, modes, seed_, FEATURES, None, None, label,
+                                    shrink_to=category))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--eager", type=int, default=1800, help="programs checked in eager mode")
@@ -101,6 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--safe-tags", action="store_true",
                    help="compiled programs tag only values their region body defined")
+    p.add_argument("--boundary", type=int, default=3000,
+                   help="boundary-family programs checked in eager mode")
+    p.add_argument("--boundary-compile", type=int, default=200,
+                   help="boundary-family programs checked in eager mode and compiled "
+                        "(aot_eager)")
+    p.add_argument("--features", default=",".join(FEATURES),
+                   help="boundary features to draw (comma-separated; default all)")
+    p.add_argument("--no-shrink", action="store_true", help="count only")
+    p.add_argument("--shrink-budget", type=float, default=600,
+                   help="seconds after which no new boundary shrink campaign starts")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     import logging
@@ -121,17 +285,46 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfuzz: {total} programs in {time.time() - start:.0f} s, seed {args.seed}")
     for k in sorted(counts):
         print(f"  {counts[k]:6d}  {k}")
+
+    features = tuple(f for f in args.features.split(",") if f)
+    bcounts: collections.Counter = collections.Counter()
+    failed_features: dict = {}
+    bruns = [("boundary", args.boundary, ("eager",)),
+             ("boundary-compile", args.boundary_compile, ("eager", "compile"))]
+    for label, n, modes in bruns:
+        if n:
+            t0 = time.time()
+            failed_features[label] = collections.Counter()
+            boundary_campaign(n, modes, args.seed, features, bcounts, failures, label,
+                              failed_features=failed_features[label])
+            print_boundary(bcounts, label, modes, time.time() - t0)
+    btotal = sum(bcounts[f"{label}: programs"] for label, _, _ in bruns)
+    bbad = sum(bcounts[f"{label}: {c}"] for label, _, _ in bruns
+               for c in ("silent mismatch", "other failure", "harness"))
+
     if failures:
         print("\nfailures by kind:")
         for k, v in failures.most_common():
             print(f"  {v:6d}  {k}")
+    if not args.no_shrink:
+        deadline = time.time() + args.shrink_budget
         for label, n, modes, compiler, safe in runs:
             if counts.get(f"{label}: FAILED"):
                 print(f"\nshrinking the first {label} failure ...", flush=True)
                 campaign(n, modes, compiler, args.seed, safe, counts, failures, label,
                          shrink=True)
-    print(f"\nfuzz: {total} programs, {total - bad} passed, {bad} failed")
-    return 1 if bad else 0
+        for label, n, modes in bruns:
+            cats = [c for c in ("silent mismatch", "other failure", "harness")
+                    if bcounts[f"{label}: {c}"]]
+            if cats:
+                shrink_boundary(n, modes, args.seed, label, failed_features[label], cats,
+                                deadline)
+    print(f"\nfuzz: {total + btotal} programs in {time.time() - start:.0f} s "
+          f"({total} first family, {btotal} boundary family), {bad + bbad} failed "
+          f"({bbad} boundary: {sum(bcounts[f'{l}: silent mismatch'] for l, _, _ in bruns)} "
+          f"silent mismatches, {sum(bcounts[f'{l}: other failure'] for l, _, _ in bruns)} "
+          f"other failures)")
+    return 1 if bad or bbad else 0
 
 
 if __name__ == "__main__":
