@@ -1,0 +1,194 @@
+"""SaveWithHooks under compile (issue 12): pack/unpack traced into the split graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+
+from fixtures.models import grads_of, loss_fn, make_model, reference_grads
+from sac_compile import CheckpointError, SaveWithHooks, sac_region
+from sac_compile.compiler import SACPartitioner, make_backend
+from sac_compile.compiler.backend import _SACAotAutograd
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default}
+
+
+def to_bf16(t):
+    return t.to(torch.bfloat16)
+
+
+def from_bf16(t):
+    return t.to(torch.float32)
+
+
+def quantize_int8(t):
+    scale = t.abs().amax().clamp(min=1e-12) / 127
+    return torch.round(t / scale).to(torch.int8), scale
+
+
+def dequantize_int8(packed):
+    q, scale = packed
+    return q.to(torch.float32) * scale
+
+
+class Counting:
+    """Hooks that record what they pack (shape, dtype): once per saved tensor in eager mode,
+    once per traced pack under compile."""
+
+    def __init__(self, pack, unpack):
+        self.packed = []
+        self.hooks = SaveWithHooks(self._pack, unpack)
+        self._inner = pack
+
+    def _pack(self, t):
+        self.packed.append((tuple(t.shape), t.dtype))
+        return self._inner(t)
+
+
+def _policy(hooks):
+    return lambda ctx, op, *args, **kwargs: hooks if op in MATMULS else None
+
+
+def _mlp(hooks, seed=0):
+    model, inputs = make_model("mlp", size="test", seed=seed)
+    for block in model.blocks:
+        sac_region(_policy(hooks), name="MLPBlock")(block)
+    return model, inputs
+
+
+def _eager_grads(hooks):
+    model, inputs = _mlp(hooks)
+    loss_fn(model(*inputs)).backward()
+    return grads_of(model, inputs)
+
+
+def _capturing(**options):
+    cap = {}
+    part = SACPartitioner(on_partition=lambda r: cap.setdefault("reports", []).append(r),
+                          **options)
+
+    def partition(gm, inputs, **kwargs):
+        cap["fw"], cap["bw"] = part(gm, inputs, **kwargs)
+        return cap["fw"], cap["bw"]
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    return _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition), cap
+
+
+def _rel_diff(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-6)).item() for k in b)
+
+
+def test_the_same_values_are_packed_in_both_modes():
+    torch._dynamo.reset()
+    eager = Counting(to_bf16, from_bf16)
+    _eager_grads(eager.hooks)
+    compiled = Counting(to_bf16, from_bf16)
+    model, inputs = _mlp(compiled.hooks)
+    backend, cap = _capturing()
+    loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
+    fw, bw = cap["fw"], cap["bw"]
+    # the forward returns packed values: one pack (a bf16 cast) per value eager packed
+    out = fw.graph.find_nodes(op="output")[0].args[0]
+    packs = [n for n in out if isinstance(n, torch.fx.Node) and n.name.startswith("sac_pack_")]
+    unpacks = [n for n in bw.graph.nodes if n.name.startswith("sac_unpack_")]
+    assert len(eager.packed) == len(compiled.packed) == len(packs) == len(unpacks) == 4
+    assert sorted(eager.packed, key=str) == sorted(compiled.packed, key=str)
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in packs)
+    # pack after the value's last forward use; unpack before its first backward use
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    for p in packs:
+        value = p.args[0]
+        assert all(order[u] <= order[p] for u in value.users if u.op != "output")
+    border = {n: i for i, n in enumerate(bw.graph.nodes)}
+    for u in unpacks:
+        assert u.args[0].op == "placeholder" and u.args[0].meta["val"].dtype == torch.bfloat16
+        assert all(border[u] < border[user] for user in u.users)
+
+
+def test_gradients_agree_with_eager_hooks_and_report_packed_bytes():
+    torch._dynamo.reset()
+    hooks = SaveWithHooks(to_bf16, from_bf16)
+    eager = _eager_grads(hooks)
+    model, inputs = _mlp(hooks)
+    ref = reference_grads(*make_model("mlp", size="test", seed=0), seed=0)
+    reports = []
+    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
+                                                         on_partition=reports.append))
+    loss_fn(compiled(*inputs)).backward()
+    got = grads_of(model, inputs)
+    # bf16 keeps 8 bits of mantissa: both modes round the saved values, a little differently
+    assert _rel_diff(got, eager) <= 2e-2
+    assert _rel_diff(got, ref) <= 2e-2
+    assert _rel_diff(got, ref) > 0  # the hooks ran: the values were rounded
+    (report,) = reports
+    packed = [r for r in report.saved if "packed by SaveWithHooks(to_bf16, from_bf16)" in r.reason]
+    assert len(packed) == 4
+    assert any(r.reason.startswith("SaveWithHooks by policy in region 'MLPBlock'") for r in packed)
+    assert any(r.reason.startswith("stands in for addmm_1") for r in packed)
+    # the report's bytes are the packed bytes: half of fp32
+    assert "(1 KiB -> 512 B)" in packed[0].reason and packed[0].nbytes == 512
+    assert any("SaveWithHooks: 4 values packed in the compiled graphs, 2.5 KiB -> 1.2 KiB" in n
+               for n in report.notes), report.notes
+
+
+def test_int8_hooks_with_a_scale():
+    torch._dynamo.reset()
+    hooks = SaveWithHooks(quantize_int8, dequantize_int8)
+    eager = _eager_grads(hooks)
+    model, inputs = _mlp(hooks)
+    backend, cap = _capturing()
+    loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
+    got = grads_of(model, inputs)
+    assert _rel_diff(got, eager) <= 5e-2
+    (report,) = cap["reports"]
+    rows = [r for r in report.saved if "packed by" in r.reason]
+    # 1 KiB fp32 -> 256 B of int8 + a 4 B scale
+    assert rows[0].nbytes == 260, rows[0]
+    placeholders = [n.name for n in cap["bw"].graph.find_nodes(op="placeholder")]
+    assert "addmm_packed" in placeholders and "addmm_packed_1" in placeholders
+
+
+@pytest.mark.parametrize("case", ["data_dependent", "non_tensor", "in_place", "wrong_unpack"])
+def test_untraceable_hooks_are_an_error(case):
+    def data_dependent(t):
+        return t.to(torch.bfloat16) if t.abs().max() > 1 else t
+
+    hooks = {
+        "data_dependent": SaveWithHooks(data_dependent, lambda p: p.float()),
+        "non_tensor": SaveWithHooks(lambda t: (to_bf16(t), "bf16"), lambda p: from_bf16(p[0])),
+        "in_place": SaveWithHooks(lambda t: t.mul_(1), lambda p: p),
+        "wrong_unpack": SaveWithHooks(to_bf16, lambda p: p),
+    }[case]
+    torch._dynamo.reset()
+
+    @sac_region(_policy(hooks), name="Blk")
+    def block(x, w):
+        return (x @ w).sin()
+
+    fn = torch.compile(lambda x, w: block(x, w).sum(), backend=make_backend(compiler="aot_eager"))
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(CheckpointError) as info:
+        fn(x, w).backward()
+    msg = str(info.value)
+    assert "on aten.mm.default" in msg and "in region 'Blk'" in msg, msg
+    assert "To fix: write pack/unpack as torch code" in msg, msg
+    assert {"data_dependent": "could not be traced", "non_tensor": "non-tensor values (str)",
+            "in_place": "in place", "wrong_unpack": "expected the saved value's"}[case] in msg, msg
+
+
+@pytest.mark.slow
+def test_inductor_gradients_agree_with_eager_hooks():
+    torch._dynamo.reset()
+    hooks = SaveWithHooks(to_bf16, from_bf16)
+    eager = _eager_grads(hooks)
+    model, inputs = _mlp(hooks)
+    reports = []
+    compiled = torch.compile(model, backend=make_backend(on_partition=reports.append))
+    loss_fn(compiled(*inputs)).backward()
+    assert _rel_diff(grads_of(model, inputs), eager) <= 2e-2
+    assert any("4 values packed" in n for n in reports[0].notes)
