@@ -182,3 +182,21 @@ def test_missing_offload_pass_under_compile(monkeypatch):
     torch.compile(model, backend=backend)(x)
     row = next(r for r in cap.report.saved if r.name == "addmm")
     assert row.reason.startswith("PREFER_CPU_OFFLOAD") and "lacks" in row.reason, row.reason
+
+
+def test_a_saved_view_of_an_offloaded_value_offloads_the_value():
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+
+    @sac_region(policies.offload_ops(aten.mm), name="V")
+    def block(x, w):
+        return (x @ w).view(-1).sin()  # sin's backward reads the view
+
+    backend, cap = capturing_backend()
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    torch.compile(block, backend=backend)(x, w)  # no CheckpointError: the mm is offloaded
+    (offload,) = _ops(cap.fw, "offload")
+    assert offload.args[0].target is aten.mm.default
+    (row,) = [r for r in cap.report.saved if not r.is_input]
+    assert row.op == "aten.mm.default" and "offloaded to the CPU" in row.reason, row

@@ -86,8 +86,9 @@ def _save_bases_of_views(gm: fx.GraphModule, saved: list[fx.Node]) -> list[fx.No
         while base.op == "call_function" and costs.is_view(base) and base.args and \
                 isinstance(base.args[0], fx.Node):
             base = base.args[0]
+        # (a view shares its base's storage: the base is what leaves the device or is packed)
         if base is not s and base.op == "call_function" and _is_tensor(base) and \
-                _storage_decision(base) is not None and _storage_decision(s) is None:
+                _storage_decision(base) is not None:
             changed = True
             if base not in chosen:
                 chosen.add(base)
