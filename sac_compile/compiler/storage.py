@@ -261,7 +261,7 @@ def _offload_error(d: fx.Node, s: fx.Node, why: str) -> str:
 
 def _hooks_error(d: fx.Node, s: fx.Node, dec: Decision, why: str) -> str:
     kept = "" if d is s else f" (kept as {s.name}, {costs.op_label(s)})"
-    return (f"SaveWithHooks {dec.hooks!r} on {costs.op_label(d)} ({d.name}){_where(d)}"
+    return (f"{dec.hooks!r} on {costs.op_label(d)} ({d.name}){_where(d)}"
             f"{kept}: under torch.compile the hooks are traced into the compiled graphs, and "
             f"{why}. To fix: write pack/unpack as torch code on tensors (a dtype cast, "
             f"quantize/dequantize, .to(device)) that returns tensors and does not branch on "
