@@ -28,7 +28,8 @@ from sac_compile import CheckpointPolicy as CP  # noqa: E402
 from sac_compile import policies, sac_region  # noqa: E402
 from sac_compile.compiler import SACPartitioner  # noqa: E402
 from sac_compile.compiler import costs  # noqa: E402
-from sac_compile.compiler.flow import build_flow_network, classify, solve  # noqa: E402
+from sac_compile.compiler.network import build_flow_network, classify  # noqa: E402
+from sac_compile.compiler.solvers import solve  # noqa: E402
 from sac_compile.report import fmt_bytes  # noqa: E402
 
 
@@ -144,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; objective: saved "
-          f"bytes + weighted recompute cost (see sac_compile/compiler/flow.py)")
+          f"bytes + weighted recompute cost (see sac_compile/compiler/network.py)")
     for label, (model_name, size, policy, step) in CASES.items():
         captured = capture_joint(model_name, size, policy)
         runs = {"upstream": [], "ours": []}

@@ -149,11 +149,21 @@ def test_budget_outside_unit_interval_and_not_bytes(capsys, budget):
 
 
 def test_budget_forms():
-    assert parse_budget("0.5") == 0.5 and parse_budget("1") == 1.0
+    # One meaning, as memory_budget in Python: a float in (0, 1] is a fraction, an int >= 2
+    # (or a number with a unit) is bytes; "1" is ambiguous and refused with the fix.
+    assert parse_budget("0.5") == 0.5 and parse_budget("1.0") == 1.0
+    assert isinstance(parse_budget("1.0"), float)
     assert parse_budget("65536") == 65536 and isinstance(parse_budget("65536"), int)
     assert parse_budget("64MiB") == 64 * 2**20 and parse_budget("2k") == 2000
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=r"did you mean 1.0 \(100%\) or 1 byte\?"):
+        parse_budget("1")
+    with pytest.raises(UsageError, match="a float is a fraction"):
         parse_budget("2.5")
+    with pytest.raises(UsageError, match=r"--budget=-0.5: a fraction must lie in \(0, 1\]"):
+        parse_budget("-0.5")
+    for bad in ("0", "0.0", "-3", "inf", "nan", "half", "3 parsecs"):
+        with pytest.raises(UsageError, match="--budget"):
+            parse_budget(bad)
 
 
 def test_unknown_policy(capsys):

@@ -106,12 +106,32 @@ def test_unreachable_budget_names_the_must_saves():
 
 
 def test_budget_validation_and_uuid():
-    for bad in (1.5, -0.1, -3, "half", True):
+    for bad in (1.5, -0.1, -3, "half", True, 0, 0.0, float("inf"), float("-inf"),
+                float("nan"), "-0.5", "1e3"):
         with pytest.raises(ValueError, match="memory_budget"):
             SACPartitioner(memory_budget=bad)
-    uuids = {SACPartitioner(memory_budget=b).uuid() for b in (None, 0.5, 0.25, 1.0, 1)}
-    assert len(uuids) == 5          # 1.0 (a fraction) and 1 (one byte) differ too
+    uuids = {SACPartitioner(memory_budget=b).uuid() for b in (None, 0.5, 0.25, 1.0, 2)}
+    assert len(uuids) == 5
     assert SACPartitioner(memory_budget=0.5).uuid() == SACPartitioner(memory_budget=0.5).uuid()
+
+
+def test_budget_has_one_meaning():
+    """A float in (0, 1] is a fraction, an int >= 2 (or a string with a unit) is bytes,
+    and 1 - 100% or one byte? - is refused with the fix, as on the command line."""
+    assert SACPartitioner(memory_budget=1.0).memory_budget == 1.0
+    assert SACPartitioner(memory_budget=2).memory_budget == 2
+    assert SACPartitioner(memory_budget="64MiB").memory_budget == 64 * 2**20
+    assert SACPartitioner(memory_budget="0.5").memory_budget == 0.5
+    with pytest.raises(ValueError) as info:
+        SACPartitioner(memory_budget=1)
+    assert "did you mean 1.0 (100%) or 1 byte?" in str(info.value)
+    assert "pass 1.0, or bytes as an int >= 2" in str(info.value)
+    with pytest.raises(ValueError, match=r"memory_budget=inf is not a budget"):
+        SACPartitioner(memory_budget=float("inf"))      # was an OverflowError
+    with pytest.raises(ValueError, match=r"memory_budget=-0.5: a fraction must lie in \(0, 1\]"):
+        SACPartitioner(memory_budget=-0.5)
+    with pytest.raises(ValueError, match=r"memory_budget=0: a byte count must be >= 2"):
+        SACPartitioner(memory_budget=0)
 
 
 def test_pickled_partitioner_keeps_the_budget():

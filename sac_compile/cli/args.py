@@ -154,26 +154,15 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 1
 
 
 def parse_budget(text: str) -> float | int:
-    """``"0.5"`` -> 0.5 (a fraction in (0, 1]); ``"65536"``, ``"64MiB"`` -> bytes (int)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    hint = ("give a fraction in (0, 1] of the activation bytes saved without a budget, e.g. "
-            "--budget 0.5, or a "
-            "byte count, e.g. --budget 65536 or --budget 64MiB")
-    if not m:
-        raise UsageError(f"--budget {text!r} is not a number; {hint}")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if unit not in _UNITS:
-        raise UsageError(f"--budget {text!r}: unknown unit {m.group(2)!r}; {hint}")
-    if unit:
-        nbytes = value * _UNITS[unit]
-        if nbytes < 1 or nbytes != int(nbytes):
-            raise UsageError(f"--budget {text!r} is not a whole number of bytes; {hint}")
-        return int(nbytes)
-    if 0 < value <= 1:
-        return value
-    if value > 1 and value == int(value):
-        return int(value)
-    raise UsageError(f"--budget {text} is outside (0, 1] and is not a byte count; {hint}")
+    """``"0.5"``, ``"1.0"`` -> a fraction in (0, 1]; ``"65536"``, ``"64MiB"`` -> bytes (int).
+    The same rule as ``memory_budget`` in Python
+    (:func:`sac_compile.compiler.budget.parse_budget_text`): ``"1"`` is refused (100% or
+    one byte?), as are 0, negatives and floats above 1."""
+    from ..compiler.budget import parse_budget_text
+    try:
+        return parse_budget_text(text, what="--budget")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def resolve_policy(name: str | None, default: str = "save_matmuls") -> tuple[str, Any]:

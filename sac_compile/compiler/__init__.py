@@ -5,9 +5,13 @@ Modules, one concern each:
 
 * :mod:`.tagging` - the dispatch mode that writes each op's decision into the joint graph;
   the ``sac_compile::tag`` / ``sac_compile::name`` marker ops.
-* :mod:`.normalize` - the FX pass that turns the raw tags into final decisions.
+* :mod:`.roles` - what a graph input is (forward input, parameter, tangent, RNG state).
+* :mod:`.normalize` - the FX passes that turn the raw tags into final decisions.
 * :mod:`.costs` - bytes, FLOPs and memory traffic of one node.
-* :mod:`.flow` - the flow network, its objective, and the max-flow solvers.
+* :mod:`.network` - the flow network and its objective (the formulation, one screen).
+* :mod:`.solvers` - scipy's and networkx's max-flow, and the minimum cut they give.
+* :mod:`.budget` - what a memory budget is, and the search for the cut that meets it.
+* :mod:`.reasons` - why a value is saved or cannot be recomputed: a kind and a text.
 * :mod:`.partition` - :class:`SACPartitioner`, torch's ``CustomPartitionerFn``.
 * :mod:`.backend` - ``sac_backend`` and ``make_backend``.
 * :mod:`.regions_compiled` - ``sac_region``/``checkpoint``/``tag``/``name`` under compile.

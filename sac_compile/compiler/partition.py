@@ -1,7 +1,8 @@
 """``SACPartitioner``: the joint graph's forward/backward split from SAC decisions.
 
 Pipeline: dead-code elimination (and CSE, as upstream) -> :func:`.normalize.normalize_tags`
--> :func:`.flow.classify` -> :func:`.flow.build_flow_network` -> :func:`.flow.solve` ->
+-> :func:`.network.classify` -> :func:`.network.build_flow_network` -> :func:`.solvers.solve`
+(or :func:`.budget.solve_with_budget`) ->
 torch's ``_extract_fwd_bwd_modules`` (no graph surgery of our own) -> torch's RNG
 functionalisation when a random op is recomputed -> the :class:`~sac_compile.report.PartitionReport`.
 
@@ -26,24 +27,31 @@ from ..policy import CheckpointPolicy
 from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
-from .flow import (CostModel, budget_label, build_flow_network, check_budget, classify,
-                   default_solver, solve, solve_with_budget)
+from .budget import budget_label, check_budget, solve_with_budget
+from .network import CostModel, build_flow_network, classify
 from .normalize import normalize_tags
+from .reasons import Reason, ReasonKind
+from .roles import Role, node_role, static_inputs
+from .solvers import default_solver, solve
 from .tagging import META_KEYS
 
 __all__ = ["SACPartitioner"]
 
 P = CheckpointPolicy
-_HASHED_MODULES = ("tagging", "normalize", "costs", "flow", "partition")
+# The code whose change changes a split: part of uuid(), so caches never serve a stale one.
+_HASHED_MODULES = ("tagging", "normalize", "roles", "costs", "network", "solvers", "budget",
+                   "reasons", "partition")
 
 
 def _code_hash() -> str:
+    import importlib
+
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     from .. import policy
-    from . import costs as m_costs, flow as m_flow, normalize as m_norm, tagging as m_tag
-    files = [inspect.getfile(m) for m in (policy, m_costs, m_flow, m_norm, m_tag)]
-    files.append(__file__)
+    files = [inspect.getfile(policy)]
+    files += [inspect.getfile(importlib.import_module(f"{__package__}.{name}"))
+              for name in _HASHED_MODULES]
     from .storage import code_files as storage_files  # offload and SaveWithHooks passes
     files.extend(storage_files())
     return get_hash_for_files(tuple(files)).hex()
@@ -57,13 +65,14 @@ class SACPartitioner(CustomPartitionerFn):
     once per split; dropped when the partitioner is pickled if it does not pickle itself.
     Each report also goes to the ``sac_partition`` log artifact (see :mod:`sac_compile.logs`).
     ``cse``: run torch's FX CSE first, as upstream does. ``memory_budget``: a float in (0, 1],
-    a fraction of the activation bytes each split saves without a budget, or an int byte
-    count per split; inputs and parameters are not counted (see :mod:`.flow`). A budget
-    that cannot be met raises :class:`~sac_compile.CheckpointError`.
+    a fraction of the activation bytes each split saves without a budget, or a byte count
+    per split (an int >= 2, or a string such as ``"64MiB"``); inputs and parameters are not
+    counted (see :mod:`.budget`). A budget that cannot be met raises
+    :class:`~sac_compile.CheckpointError`.
     """
 
     def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
-                 memory_budget: float | None = None,
+                 memory_budget: float | int | str | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
                  cse: bool = False, delegate_untagged: bool = True) -> None:
         if solver not in (None, "scipy", "networkx"):
@@ -148,10 +157,7 @@ class SACPartitioner(CustomPartitionerFn):
             self._finish(report, gm, fw, bw, saved_names, recomputed, timings)
             return fw, bw
 
-        primals = [n for n in gm.graph.find_nodes(op="placeholder")
-                   if "tangents" not in str(n.target) and not str(n.target).startswith("bwd_")
-                   and not str(n.target).startswith("fwd_")]
-        static = {primals[i] for i in static_idx if i < len(primals)}
+        static = static_inputs(gm.graph, static_idx)
         cls = classify(gm, num_fwd_outputs)
         net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
                                  rng_functionalized=True)
@@ -175,15 +181,16 @@ class SACPartitioner(CustomPartitionerFn):
                 what = dec.label if dec is not None else "min-cut save"
                 report.evicted.append(SavedTensorRecord(
                     v.name, costs.op_label(v), costs.nbytes(v),
-                    f"{what} overridden by memory budget {label}: recomputed in backward "
-                    f"(saving it would exceed {fmt_bytes(res.budget_bytes)})",
+                    Reason(ReasonKind.EVICTED_BY_BUDGET,
+                           f"{what} overridden by memory budget {label}: recomputed in "
+                           f"backward (saving it would exceed {fmt_bytes(res.budget_bytes)})"),
                     region=_region(v)))
         lap("solve")
         from .storage import extract_with_storage  # + CPU offload and SaveWithHooks
         fw, bw, saved_names, recomputed = extract_with_storage(
             self._extract, gm, saved, static, num_fwd_outputs, lap)
-        if counts.get("markers"):
-            report.notes.append(f"{counts['markers']} tag()/name() markers folded")
+        if counts.get("fold_markers"):
+            report.notes.append(f"{counts['fold_markers']} tag()/name() markers folded")
         self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
         lap("report")
         return fw, bw
@@ -231,7 +238,8 @@ class SACPartitioner(CustomPartitionerFn):
                 timings: dict[str, float], *, static: set[fx.Node] = frozenset()) -> None:
         joint = {n.name: n for n in gm.graph.nodes}
         saved = [joint[name] for name in saved_names
-                 if name in joint and "tangents" not in name and not costs.is_sym(joint[name])
+                 if name in joint and node_role(joint[name]) is not Role.TANGENT
+                 and not costs.is_sym(joint[name])
                  and not costs.is_opaque(joint[name])]
         names = set(saved_names)
         for node in saved:
@@ -290,7 +298,7 @@ def reorder_like_autograd(gm: fx.GraphModule) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    tangents = [n for n in nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+    tangents = [n for n in nodes if node_role(n) is Role.TANGENT]
     users = [u for t in tangents for u in t.users]
     if not users:
         raise_getitems_in_place(gm)
@@ -332,14 +340,18 @@ def _region(node: fx.Node) -> str:
     return path[-1] if path else ""
 
 
-def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> str:
+def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> Reason:
+    """Why the cut saved ``node``, for the report."""
     if node.op == "placeholder":
-        return "parameter (input)" if is_static else "input"
+        if is_static or node_role(node) is Role.PARAMETER:
+            return Reason(ReasonKind.PARAMETER, "parameter (input)")
+        return Reason(ReasonKind.INPUT, "input")
     base = node.args[0] if node.target is operator.getitem else node
     dec = node.meta.get("sac_decision")
     if dec is None:
-        return "min-cut"
+        return Reason(ReasonKind.MIN_CUT, "min-cut")
     if dec.policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD, P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD):
+        kind = ReasonKind.MUST_SAVE if dec.is_must else ReasonKind.PREFER_SAVE
         reason = dec.reason()
         if "sac_view_of" in node.meta:
             reason = f"view of {node.meta['sac_view_of']}: {reason}"
@@ -347,15 +359,17 @@ def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> str:
             reason += " (hooks not applied under compile: saved as is)"
         if dec.offloads:
             reason += " (kept on device under compile)"
-        return reason
+        return Reason(kind, reason)
     # A recompute decision overridden by the cut.
     inputs = [a for a in base.all_input_nodes if a.name not in saved_names]
     alt = sum(costs.nbytes(a) for a in inputs)
     size = fmt_bytes(costs.nbytes(node))
     if alt > costs.nbytes(node):
-        return (f"{dec.label} overridden: saving {size} is cheaper than recomputing from "
+        text = (f"{dec.label} overridden: saving {size} is cheaper than recomputing from "
                 f"{fmt_bytes(alt)}")
-    if alt:
-        return (f"{dec.label} overridden: saving {size} costs no more than recomputing from "
+    elif alt:
+        text = (f"{dec.label} overridden: saving {size} costs no more than recomputing from "
                 f"{fmt_bytes(alt)}, and saves the recompute")
-    return f"{dec.label} overridden: saving {size} is cheaper than recomputing it"
+    else:
+        text = f"{dec.label} overridden: saving {size} is cheaper than recomputing it"
+    return Reason(ReasonKind.RECOMPUTE_OVERRIDDEN, text)

@@ -61,6 +61,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
                       Opinion, RegionFrame, SaveWithHooks, decide, foreign_tensor_message,
                       warn_inert_policies)
+from .roles import is_joint_graph
 
 __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
            "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
@@ -138,8 +139,7 @@ class SACTaggingMode(TorchDispatchMode):
         """Whether the graph being traced is a joint forward/backward graph (has tangents);
         an inference graph (or one whose backward dynamo traced in) is not partitioned."""
         if self.joint is None:
-            self.joint = any("tangents" in str(n.target)
-                             for n in graph.find_nodes(op="placeholder"))
+            self.joint = is_joint_graph(graph)
         return self.joint
 
     def __enter__(self) -> SACTaggingMode:
@@ -309,10 +309,7 @@ def _joint_tracing() -> bool:
     """AOTAutograd is tracing a joint forward/backward graph (a graph with tangents),
     i.e. one that a partitioner will split; not an inference graph."""
     proxy_mode = _proxy_mode()
-    if proxy_mode is None:
-        return False
-    return any("tangents" in str(n.target)
-               for n in proxy_mode.tracer.graph.find_nodes(op="placeholder"))
+    return proxy_mode is not None and is_joint_graph(proxy_mode.tracer.graph)
 
 
 class _EagerRegion:
@@ -415,8 +412,6 @@ def _warn_foreign_partitioner(name: str) -> None:
         f"(or, with backend='inductor', set torch._inductor.config.custom_partitioner_fn="
         f"sac_compile.compiler.SACPartitioner())", UserWarning, stacklevel=3)
 
-
-region_contexts.cache_hash = "sac_compile.region_contexts"  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------
