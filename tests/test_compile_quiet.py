@@ -38,3 +38,39 @@ def test_context_fn_warning_only_for_users_own_checkpoint():
     assert _ == "=== user's own torch SAC ===", proc.stderr[-3000:]
     assert "context_fn" not in ours, ours[-3000:]
     assert "Detected that context_fn is passed to torch.utils.checkpoint" in theirs
+
+
+SCRIPT_REPORTS_TORCH_SAC = textwrap.dedent("""
+    import functools, sys, torch
+    import sac_compile  # noqa: F401  (installs the quiet hook, as the report does)
+    from sac_compile.compiler.regions_compiled import torch_sac_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    ops = [torch.ops.aten.mm.default]
+
+    def run(context_fn):
+        def f(x, w):
+            return checkpoint(lambda x, w: (x @ w).sin(), x, w, use_reentrant=False,
+                              context_fn=context_fn)
+        torch._dynamo.reset()
+        torch.compile(f, backend="aot_eager")(x, w).sum().backward()
+
+    run(functools.partial(torch_sac_contexts, ops))     # the report's "torch SAC" rows
+    sys.stderr.write("=== user's own torch SAC ===\\n")
+    run(functools.partial(create_selective_checkpoint_contexts, ops))
+""")
+
+
+def test_torch_sac_run_by_the_report_is_quiet_too():
+    """`make demo` printed torch's warning in the middle of its table: it came from the
+    report's own "torch SAC compiled" row (torch's SAC, compiled on purpose), not from a
+    region of ours. That row's context_fn is torch_sac_contexts, skipped like ours."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_REPORTS_TORCH_SAC],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, sep, theirs = proc.stderr.partition("=== user's own torch SAC ===")
+    assert sep, proc.stderr[-3000:]
+    assert "context_fn" not in ours, ours[-3000:]
+    assert "Detected that context_fn is passed to torch.utils.checkpoint" in theirs

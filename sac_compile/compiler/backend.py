@@ -2,7 +2,13 @@
 
 * ``compiler="inductor"``: Inductor's ``compile_fx`` with ``custom_partitioner_fn`` set, so
   all of Inductor's joint-graph passes (RNG seeding, pattern matching) run first.
-* ``compiler="aot_eager"``: AOTAutograd with our partitioner and no code generation.
+  ``torch.compile(..., mode=..., options={...})`` reach it as keyword arguments and mean
+  what they mean for ``backend="inductor"`` (torch's own mode table and option checks).
+* ``compiler="aot_eager"``: AOTAutograd with our partitioner and no code generation; like
+  torch's ``aot_eager`` it ignores ``mode``/``options`` (with torch's log warning).
+
+Both give each of our regions in Dynamo's graph the ``cache_hash`` AOTAutograd's cache
+needs (:mod:`.cache_keys`), so a warm compile is a cache hit.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from torch._dynamo.backends.common import AotAutograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..report import PartitionReport
+from .cache_keys import annotate_regions
 from .normalize import remove_markers
 from .partition import SACPartitioner
 from .tagging import sac_partitioning
@@ -21,7 +28,7 @@ from .tagging import sac_partitioning
 __all__ = ["make_backend", "sac_backend"]
 
 
-def make_backend(*, compiler: str = "inductor", memory_budget: float | None = None,
+def make_backend(*, compiler: str = "inductor", memory_budget: float | int | str | None = None,
                  solver: str | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
                  **partitioner_options: Any) -> Callable[..., Any]:
@@ -29,12 +36,11 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | None = No
     partitioner = SACPartitioner(solver=solver, memory_budget=memory_budget,
                                  on_partition=on_partition, **partitioner_options)
     if compiler == "inductor":
-        def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            from torch._inductor import config
+        def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
+                         mode: str | None = None, options: dict[str, Any] | None = None) -> Any:
             from torch._inductor.compile_fx import compile_fx
-            patches = {"custom_partitioner_fn": partitioner,
-                       "post_grad_custom_pre_pass":
-                           RemoveMarkers(config.post_grad_custom_pre_pass)}
+            patches = inductor_patches(partitioner, mode, options)
+            annotate_regions(gm)
             with sac_partitioning():
                 return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -61,8 +67,27 @@ class _SACAotAutograd(AotAutograd):
     split by our partitioner (regions then do not warn that they need it)."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        annotate_regions(gm)
         with sac_partitioning():
             return super().__call__(gm, example_inputs, **kwargs)
+
+
+def inductor_patches(partitioner: SACPartitioner, mode: str | None,
+                     options: dict[str, Any] | None) -> dict[str, Any]:
+    """Inductor's config patches for ``torch.compile(mode=mode, options=options)`` - read
+    by torch's own ``_TorchCompileInductorWrapper``, which checks names and types - plus our
+    partitioner and marker-removal pass (chained before a ``post_grad_custom_pre_pass``
+    the options or the config set)."""
+    from torch._inductor import config
+    patches = dict(torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config)
+    if "custom_partitioner_fn" in patches:
+        raise ValueError("options={'custom_partitioner_fn': ...} replaces sac_compile's "
+                         "partitioner; use backend='inductor' for that, or pass the "
+                         "partitioner's options to sac_compile.make_backend(...)")
+    then = patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
+    patches["custom_partitioner_fn"] = partitioner
+    patches["post_grad_custom_pre_pass"] = RemoveMarkers(then)
+    return patches
 
 
 class RemoveMarkers(CustomGraphPass):
@@ -84,9 +109,10 @@ class RemoveMarkers(CustomGraphPass):
         return (get_hash_for_files((__file__,)).hex(), then)
 
 
-def sac_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Inductor with the SAC partitioner: ``torch.compile(model, backend=sac_backend)``."""
-    return _default()(gm, example_inputs)
+def sac_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    """Inductor with the SAC partitioner: ``torch.compile(model, backend=sac_backend)``;
+    ``mode=`` and ``options=`` of ``torch.compile`` are Inductor's."""
+    return _default()(gm, example_inputs, **kwargs)
 
 
 _DEFAULT: list[Callable[..., Any]] = []

@@ -16,7 +16,8 @@ logs that once per region.
 torch logs a warning (once per process) when a checkpoint with a ``context_fn`` is traced
 under compile ("... make sure the checkpointed region does not contain in-place ops").
 Library code prints nothing unless asked, so :func:`quiet_torch_context_fn_warning` skips it
-when the ``context_fn`` is one of ours; a user's own ``torch.utils.checkpoint(...,
+when the ``context_fn`` is one of ours - our regions', or :func:`torch_sac_contexts`, torch's
+SAC as the report runs it for comparison; a user's own ``torch.utils.checkpoint(...,
 context_fn=...)`` still gets it, once, as before.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 from ..policy import Opinion, RegionFrame
 from .tagging import encode_opinion, name_op, region_contexts, tag_op, take_eager_entry
 
-__all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback"]
+__all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
+           "torch_sac_contexts", "context_fn_kind"]
 
 log = logging.getLogger("sac_compile")
 _logged: set[str] = set()
@@ -85,9 +87,6 @@ def policy_contexts(name: str, policy: Any) -> Any:
     return region_contexts(name, normalize_policy(policy))
 
 
-policy_contexts.cache_hash = "sac_compile.policy_contexts"  # type: ignore[attr-defined]
-
-
 def tag(tensor: torch.Tensor, opinion: Opinion) -> torch.Tensor:
     return tag_op(tensor, encode_opinion(opinion))
 
@@ -96,12 +95,33 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     return name_op(tensor, label)
 
 
-_OUR_CONTEXT_FNS = (region_contexts, policy_contexts)
 _CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint"
 
 
+def context_fn_kind(context_fn: Any) -> str | None:
+    """``"region"`` (``partial(region_contexts, name, policy, allow)``), ``"checkpoint"``
+    (``partial(policy_contexts, name, raw_policy)``), or None: not one of ours."""
+    func = getattr(context_fn, "func", None)
+    if func is region_contexts:
+        return "region"
+    if func is policy_contexts:
+        return "checkpoint"
+    return None
+
+
+def torch_sac_contexts(policy: Any) -> Any:
+    """torch's own ``create_selective_checkpoint_contexts(policy)``, for sac_compile code
+    that runs torch's SAC on purpose (the report's "torch SAC" rows compare against it):
+    pass ``functools.partial(torch_sac_contexts, ops)`` as the ``context_fn``. torch's
+    context_fn warning is skipped for it as for our regions (Dynamo rebuilds the partial,
+    but keeps its function, which is what :func:`_is_ours` looks at)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(policy)
+
+
 def _is_ours(context_fn: Any) -> bool:
-    return getattr(context_fn, "func", None) in _OUR_CONTEXT_FNS
+    return context_fn_kind(context_fn) is not None or \
+        getattr(context_fn, "func", None) is torch_sac_contexts
 
 
 def quiet_torch_context_fn_warning() -> None:
