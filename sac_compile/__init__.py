@@ -21,7 +21,7 @@ _LAZY = {
     "sac_backend": ".compiler",
     "make_backend": ".compiler",
     "SACPartitioner": ".compiler",
-    "explain": ".report",
+    "explain": ".explaining",
     "PartitionReport": ".report",
     "SavedTensorRecord": ".report",
 }

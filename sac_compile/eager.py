@@ -18,6 +18,7 @@ How it fits together:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -55,6 +56,8 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         yield  # nothing will be saved for backward: a plain forward
         return
+    if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+        keep_dynamo_out()
     recorder = RegionRecorder(frame, allow_cache_entry_mutation)
     _ACTIVE.recorder = recorder
     try:
@@ -63,3 +66,32 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     finally:
         _ACTIVE.recorder = None
     recorder.finish()
+
+
+_dynamo_kept_out = False
+
+
+def keep_dynamo_out() -> None:
+    """The runtime runs inside compiled code after a graph break (a region that graph-breaks,
+    a ``with sac_region(...)`` block, a backend without AOTAutograd). Dynamo must not trace
+    it: it cannot (dispatch modes, saved-tensor hooks), and trying costs recompiles
+    ("hit config.recompile_limit") and prints warnings about torch internals. The runtime's
+    per-op and per-tensor frames (the recorder's ``__torch_dispatch__``, the pack and unpack
+    hooks, this context manager) are skipped with everything they call: a flag on their code
+    objects, free per call (the dispatch mode opts out of torch's per-call disable trampoline
+    for speed).
+
+    Called on the first region entry once Dynamo is loaded (``"torch._dynamo" in
+    sys.modules``): an eager-only user never imports it."""
+    global _dynamo_kept_out
+    _dynamo_kept_out = True
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - another torch: Dynamo may try, and fall back
+        return
+    from .runtime import replay
+    skip_all = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for fn in (RegionRecorder.__torch_dispatch__, RegionRecorder.pack, replay.unpack,
+               getattr(eager_region, "__wrapped__", eager_region)):
+        set_code_exec_strategy(fn.__code__, skip_all)

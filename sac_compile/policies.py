@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .policy import (MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD,
+from .policy import (PRESETS, MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD,
                      PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, NamedPolicy, PolicyLike,
                      coerce_opinion, expand_ops, normalize_policy)
 
@@ -157,8 +157,8 @@ def relaxed(policy: PolicyLike) -> NamedPolicy:
                        _RELAXED.get(constant, constant) if constant is not None else None)
 
 
-PRESETS = {
+PRESETS.update({  # the core's table of names (see policy.PRESETS)
     "recompute_all": recompute_all,
     "save_all": save_all,
     "save_matmuls": save_matmuls,
-}
+})

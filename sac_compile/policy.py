@@ -181,18 +181,22 @@ def _op_list_policy(ops: Iterable[Any]) -> NamedPolicy:
     return NamedPolicy(saves_listed_ops, f"[{names}]")
 
 
+#: Policies a region may name by string (``sac_region("save_matmuls")``). The presets live
+#: in :mod:`.policies`, which fills this table when it is imported (``sac_compile`` imports
+#: it): the core does not import the presets built on it.
+PRESETS: dict[str, PolicyFn] = {}
+
+
 def normalize_policy(policy: PolicyLike) -> PolicyFn:
     """Turn any accepted policy form into a function ``(ctx, op, *args, **kwargs)``.
 
     Raises ``TypeError`` naming the value for anything that is not a policy.
     """
-    from . import policies  # presets live beside the core; imported late to avoid a cycle
-
     if isinstance(policy, str):
-        preset = policies.PRESETS.get(policy)
+        preset = PRESETS.get(policy)
         if preset is None:
             raise TypeError(f"unknown policy name {policy!r}; expected one of "
-                            f"{sorted(policies.PRESETS)} or a policy function")
+                            f"{sorted(PRESETS)} or a policy function")
         return preset
     if isinstance(policy, (list, tuple, set, frozenset)):
         return _op_list_policy(policy)

@@ -451,12 +451,21 @@ _dynamo_kept_out = False
 
 
 def _keep_dynamo_out() -> None:
-    """Dynamo is loaded, so this eager region may run inside compiled code (after a graph
-    break, or under a backend other than ours): importing the compiler package marks the
-    eager runtime as never traced (see ``compiler._keep_dynamo_out_of_the_eager_runtime``)."""
+    """Dynamo is loaded, so this region may run inside compiled code. ``with sac_region(...)``
+    enters and leaves outside Dynamo, so the block is a clean graph break whose ops go
+    through the eager runtime (correct, not compiled); the runtime's own frames are never
+    traced (:func:`sac_compile.eager.keep_dynamo_out`)."""
     global _dynamo_kept_out
     _dynamo_kept_out = True
-    from . import compiler  # noqa: F401
+    for name in ("__enter__", "__exit__"):
+        method = sac_region.__dict__[name]
+        if not getattr(method, "_sac_compile_outside_dynamo", False):
+            wrapped = torch._dynamo.disable(
+                method, reason="`with sac_region(...)` runs through the eager runtime; "
+                               "decorate the function or module to compile the region")
+            wrapped._sac_compile_outside_dynamo = True  # type: ignore[attr-defined]
+            setattr(sac_region, name, wrapped)
+    eager.keep_dynamo_out()
 
 
 # --------------------------------------------------------------------------------------

@@ -12,30 +12,25 @@
   region, parameters excluded). Compile: the whole compiled graph, inside and outside
   regions (what each forward hands to its backward);
 * ``cost_estimated``: ops whose FLOPs were estimated from shapes (custom ops, matmuls with no
-  ``flop_counter`` formula, see ``sac_compile.compiler.costs.op_flops``);
+  ``flop_counter`` formula, see ``sac_compile.op_costs.op_flops``);
 * with a memory budget (compile): ``memory_budget`` as given, ``budget_bytes`` (the cap on
   ``activation_bytes``) and ``evicted``: values saved without the budget and recomputed
   with it, with the reason;
 * ``snapshot()``: deterministic text for expecttest; ``str(report)``: a readable table.
 
-``explain(fn, *args, mode="eager" | "compile")`` runs ``fn`` once, forward and backward,
-and returns the report.
+``sac_compile.explain(fn, *args, mode="eager" | "compile")`` (:mod:`.explaining`) runs
+``fn`` once, forward and backward, and returns the report.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .policy import op_name
 
-__all__ = ["PartitionReport", "SavedTensorRecord", "explain", "fmt_bytes"]
+__all__ = ["PartitionReport", "SavedTensorRecord", "fmt_bytes"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -185,7 +180,7 @@ def _label_cost_estimated(label: str) -> bool:
     op = _op_of_label(label)
     if op is None:
         return False
-    from .compiler.costs import is_cost_estimated
+    from .op_costs import is_cost_estimated
     return is_cost_estimated(op)
 
 
@@ -200,220 +195,3 @@ def _estimable_aten() -> frozenset[str]:
 
 
 _ESTIMABLE_ATEN = _estimable_aten()
-
-
-def _backward_of(out: Any) -> None:
-    """Run the whole backward of ``out`` (every saved tensor is unpacked, as in training),
-    leaving the ``.grad`` of every leaf it reaches as it was."""
-    outputs = [t for t in torch.utils._pytree.tree_leaves(out)
-               if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not outputs:
-        return
-    leaves = _leaves_reached(outputs)
-    grads_before = [t.grad for t in leaves]
-    for t in leaves:  # autograd would accumulate into them in place
-        t.grad = None
-    try:
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    finally:
-        for t, g in zip(leaves, grads_before):
-            t.grad = g
-
-
-def _leaves_reached(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    for t in outputs:
-        if t.grad_fn is None and t.is_leaf:
-            leaves[id(t)] = t
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if isinstance(variable, torch.Tensor):
-            leaves[id(variable)] = variable
-        stack.extend(fn for fn, _ in node.next_functions)
-    return list(leaves.values())
-
-
-@contextlib.contextmanager
-def _leaving_user_state_as_it_was(fn: Any) -> Iterator[None]:
-    """``explain`` runs ``fn`` once more than the user did: its random draws and buffer
-    updates (BatchNorm's running stats) must not change what the user's program sees."""
-    buffers = [(b, b.detach().clone()) for b in fn.buffers()] \
-        if isinstance(fn, torch.nn.Module) else []
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() \
-        and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-
-
-class _RecomputeFlops(TorchDispatchMode):
-    """Active during the backward of ``explain(mode="eager")``: FLOPs of the ops the eager
-    runtime replays (by :func:`sac_compile.compiler.costs.op_flops`, the partitioner's rule).
-
-    The runtime appends each replayed op to ``stats.recomputed_ops`` right after running it,
-    with no other op in between; an op this mode saw is a replay iff the list grew by one
-    before the next op (backward's own ops leave it unchanged)."""
-
-    def __init__(self, stats: Any) -> None:
-        super().__init__()
-        from .compiler.costs import op_flops
-        self._op_flops = op_flops
-        self.stats = stats
-        self.seen = len(stats.recomputed_ops)
-        self.last: tuple[str, int] | None = None
-        self.flops = 0
-
-    def settle(self) -> None:
-        n = len(self.stats.recomputed_ops)
-        if n != self.seen and self.last is not None and n == self.seen + 1 \
-                and self.stats.recomputed_ops[-1] == self.last[0]:
-            self.flops += self.last[1]
-        self.seen, self.last = n, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.settle()
-        out = func(*args, **(kwargs or {}))
-        count, _ = self._op_flops(func, args, kwargs or {}, out)
-        self.last = (op_name(func), int(count))
-        return out
-
-
-def _parameter_like(t: torch.Tensor, params: set[tuple[str, int]]) -> bool:
-    """A parameter, a view of one, a tensor in ``params``' storages, or a graph input dynamo
-    marked static (the parameters and buffers of inlined modules)."""
-    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or \
-            getattr(t, "_dynamo_static_input_type", None) is not None:
-        return True
-    return bool(params) and _storage_key(t) in params
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def _param_storages(fn: Any) -> set[tuple[str, int]]:
-    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(module, nn.Module):
-        return set()
-    tensors = [*module.parameters(), *module.buffers()]
-    return {_storage_key(t) for t in tensors}
-
-
-class _OutsideBytes:
-    """Saved-tensor hooks around the whole ``fn``: a region installs its own inside, so these
-    see only what autograd keeps outside every region (unique storages, parameters and
-    buffers excluded). The tensor itself is packed: nothing changes."""
-
-    def __init__(self, params: set[tuple[str, int]]) -> None:
-        self.params = params
-        self.storages: dict[tuple[str, int], int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not _parameter_like(t, self.params):
-            key = _storage_key(t)
-            if key[1] != 0:
-                self.storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> PartitionReport:
-    from .eager import collect_stats
-    outside = _OutsideBytes(_param_storages(fn))
-    with collect_stats() as stats:
-        with torch.autograd.graph.saved_tensors_hooks(outside.pack, outside.unpack):
-            out = fn(*args, **kwargs)
-        counter = _RecomputeFlops(stats)
-        with counter:
-            _backward_of(out)
-        counter.settle()
-    report = PartitionReport(mode="eager")
-    report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region)
-                    for r in stats.saved]
-    report.recomputed = list(stats.recomputed_ops)
-    report.recomputed_regions = ["?"] * len(report.recomputed)
-    report.recompute_flops = counter.flops
-    report.outside_bytes = outside.nbytes
-    return report
-
-
-def _mark_parameters(report: PartitionReport, params: set[str]) -> PartitionReport:
-    """Records of graph inputs that are parameters or buffers say so (``saved_bytes`` then
-    leaves them out), whichever partitioner made the report."""
-    report.saved = [dataclasses.replace(r, reason="parameter (input)")
-                    if r.is_input and r.name in params and not r.reason.startswith("parameter")
-                    else r for r in report.saved]
-    return report
-
-
-def explain(fn: Callable[..., Any], *args: Any, mode: str = "eager",
-            compiler: str = "aot_eager", **kwargs: Any) -> PartitionReport:
-    """Run ``fn(*args, **kwargs)`` and its backward once; report what was saved/recomputed.
-
-    ``mode="eager"`` reports the eager runtime's decisions inside regions (recompute FLOPs
-    by ``torch.utils.flop_counter``'s rules, as compiled; ``outside_bytes``: what autograd
-    keeps outside regions); ``mode="compile"`` compiles ``fn`` with
-    :func:`sac_compile.make_backend` (``compiler``, default ``"aot_eager"``) and reports the
-    partition of each forward/backward split, merged: the whole graph. Parameters and
-    buffers are never counted in ``saved_bytes``.
-    """
-    if mode not in ("eager", "compile"):
-        raise ValueError(f"explain(mode=...) takes 'eager' or 'compile', got {mode!r}")
-    with _leaving_user_state_as_it_was(fn):
-        if mode == "eager":
-            return _explain_eager(fn, args, kwargs)
-        return _explain_compiled(fn, args, kwargs, compiler)
-
-
-def _explain_compiled(fn: Callable[..., Any], args: tuple, kwargs: dict,
-                      compiler: str) -> PartitionReport:
-    from .compiler.backend import make_backend
-
-    reports: list[PartitionReport] = []
-    params: set[str] = set()
-    module_params = _param_storages(fn)
-    backend = make_backend(compiler=compiler,
-                           on_partition=lambda r: reports.append(_mark_parameters(r, params)))
-
-    def backend_knowing_parameters(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        # AOTAutograd names the i-th graph input primals_{i+1}; dynamo passes parameters
-        # (and buffers) as graph inputs. Our partitioner also knows them from the static
-        # input indices; a graph it hands to torch's (no regions, no tags) does not.
-        params.clear()
-        params.update(f"primals_{i + 1}" for i, t in enumerate(example_inputs)
-                      if isinstance(t, torch.Tensor) and _parameter_like(t, module_params))
-        return backend(gm, example_inputs)
-
-    out = torch.compile(fn, backend=backend_knowing_parameters)(*args, **kwargs)
-    _backward_of(out)
-    if not reports:
-        raise RuntimeError("explain(mode='compile'): nothing was partitioned; does fn's output "
-                           "require grad?")
-    merged = PartitionReport(mode="compile")
-    for r in reports:
-        merged.saved += r.saved
-        merged.recomputed += r.recomputed
-        merged.recomputed_regions += r.recomputed_regions
-        merged.recompute_flops += r.recompute_flops
-        merged.notes += r.notes
-        for k, v in r.timings.items():
-            merged.timings[k] = merged.timings.get(k, 0.0) + v
-        merged.solver = r.solver
-    return merged

@@ -13,7 +13,7 @@ from sac_compile import CheckpointError
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import checkpoint, name, policies, sac_region, tag
 from sac_compile.compiler import make_backend
-from sac_compile.report import explain
+from sac_compile.explaining import explain
 
 aten = torch.ops.aten
 

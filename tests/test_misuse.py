@@ -297,7 +297,7 @@ def test_tag_on_a_tensor_from_outside_the_region_under_compile():
 
 
 def test_tag_and_name_outside_any_region_are_no_ops_under_compile():
-    from sac_compile.report import explain
+    from sac_compile.explaining import explain
     x, _ = _xw()
 
     @sc.sac_region("recompute_all", name="R")
@@ -339,8 +339,8 @@ def test_offload_policy_without_accelerator_is_a_plain_save_and_warns_once(monke
         _grads(f, x, w)
 
 
-def test_offload_under_compile_is_reported_as_kept_on_device():
-    from sac_compile.report import explain
+def test_offload_of_a_cpu_value_under_compile_is_reported_as_a_plain_save():
+    from sac_compile.explaining import explain
     x, w = _xw()
 
     @sc.sac_region(sc.policies.offload_ops(aten.mm), name="Off")
@@ -349,7 +349,7 @@ def test_offload_under_compile_is_reported_as_kept_on_device():
 
     report = explain(lambda x, w: f(x, w).sum(), x, w, mode="compile")
     reasons = [r.reason for r in report.saved if r.op == "aten.mm.default"]
-    assert reasons and "(kept on device under compile)" in reasons[0]
+    assert reasons and "(the value is on the CPU: CPU offload is a plain save)" in reasons[0]
 
 
 # 9 -------------------------------------------------------------------------------------
@@ -369,8 +369,10 @@ def test_save_with_hooks_whose_unpack_returns_the_wrong_shape():
         out.sum().backward()
 
 
-def test_save_with_hooks_under_compile_saves_as_is():
-    from sac_compile.report import explain
+def test_save_with_hooks_whose_unpack_returns_the_wrong_shape_under_compile():
+    """Under compile the hooks are traced into the graphs; an unpack that does not give the
+    saved value back is caught while compiling, with the op, the region and the fix."""
+    from sac_compile.explaining import explain
     x, _ = _xw()
     hooks = sc.SaveWithHooks(lambda t: t, lambda t: t[:2])
 
@@ -379,9 +381,10 @@ def test_save_with_hooks_under_compile_saves_as_is():
     def block(x):
         return x.sin().sin()
 
-    report = explain(lambda x: block(x).sum(), x, mode="compile")
-    assert any("(hooks not applied under compile: saved as is)" in r.reason
-               for r in report.saved)
+    torch._dynamo.reset()
+    with pytest.raises(CheckpointError, match=r"aten\.sin\.default \(sin\) in region 'H'.*"
+                       r"expected the saved value's \(4, 8\)"):
+        explain(lambda x: block(x).sum(), x, mode="compile")
 
 
 # 10 ------------------------------------------------------------------------------------

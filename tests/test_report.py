@@ -12,7 +12,8 @@ from fixtures.models import loss_fn, make_model
 from sac_compile import CheckpointPolicy as CP
 import sac_compile as sc
 from sac_compile import policies, sac_region
-from sac_compile.report import PartitionReport, SavedTensorRecord, explain, fmt_bytes
+from sac_compile.explaining import explain
+from sac_compile.report import PartitionReport, SavedTensorRecord, fmt_bytes
 
 aten = torch.ops.aten
 
@@ -277,7 +278,7 @@ def _(a):
 
 
 def test_op_flops_formula_zero_or_estimate():
-    from sac_compile.compiler.costs import is_cost_estimated, op_flops
+    from sac_compile.op_costs import is_cost_estimated, op_flops
     a, b = torch.randn(8, 16), torch.randn(16, 32)
     mm = torch.ops.sac_compile_test_report.matmul.default
     shift = torch.ops.sac_compile_test_report.shift.default

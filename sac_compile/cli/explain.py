@@ -61,7 +61,7 @@ def diff_reports(eager: Any, compiled: Any) -> list[str]:
 
 
 def run_explain(args: Any) -> int:
-    from ..report import explain
+    from ..explaining import explain
     device = check_device(args.device)
     target = load_target(args.target, size=args.size, seed=args.seed, device=device,
                          flag="explain TARGET")
