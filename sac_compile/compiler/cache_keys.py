@@ -7,7 +7,9 @@ without one it bypasses the cache, and every warm run recompiles. Dynamo rebuild
 ``functools.partial`` while it traces (``FunctoolsPartialVariable.guard_as_python_constant``),
 so an attribute set on the function or on the partial our region code creates is lost:
 :func:`annotate_regions`, run by our backends on Dynamo's graph before AOTAutograd sees it,
-sets it on the partial torch will read.
+sets it on the partial torch will read. The cache key also pickles each subgraph's ``meta``,
+the partial included, whose policy (a closure over an op list) may not pickle: the partial
+is replaced by a :class:`KeyedContextFn`, the same call, which pickles as its hash.
 
 The hash must change whenever the split could: it covers the region's name, the
 ``allow_cache_entry_mutation`` flag and the policy's identity (:func:`policy_key`). The
@@ -19,6 +21,7 @@ debug level on the ``sac_compile`` logger). A policy may name its own identity w
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["policy_key", "region_cache_hash", "annotate_regions"]
+__all__ = ["policy_key", "region_cache_hash", "annotate_regions", "KeyedContextFn"]
 
 log = logging.getLogger("sac_compile")
 
@@ -96,9 +99,32 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
                       "bypassed for the graph that contains it; give the policy a "
                       "'cache_hash' string attribute to cache it", name, policy)
             continue
-        context_fn.cache_hash = digest
+        module.meta["_checkpoint_context_fn"] = KeyedContextFn.of(context_fn, digest)
         annotated += 1
     return annotated
+
+
+class KeyedContextFn(functools.partial):
+    """A region's ``context_fn`` with its ``cache_hash``. Pickles (for a cache key, a deep
+    copy) as a lookup of that hash: the same call in this process, stable bytes in every
+    process. Equal hashes mean the same name, flag and policy identity: the same call."""
+
+    cache_hash: str
+    _by_hash: dict[str, KeyedContextFn] = {}
+
+    @classmethod
+    def of(cls, context_fn: functools.partial, digest: str) -> KeyedContextFn:
+        keyed = cls(context_fn.func, *context_fn.args, **context_fn.keywords)
+        keyed.cache_hash = digest
+        cls._by_hash.setdefault(digest, keyed)
+        return keyed
+
+    def __reduce__(self) -> Any:
+        return (_context_fn_by_hash, (self.cache_hash,))
+
+
+def _context_fn_by_hash(digest: str) -> KeyedContextFn:
+    return KeyedContextFn._by_hash[digest]
 
 
 def _qualname(fn: Any) -> str:
