@@ -693,22 +693,53 @@ def program(mods, x, y, w, b, idx, buf, rm, rv):
 """),
 }
 
+# compiled (eager mode runs these exactly)
+BOUNDARY_KNOWN_COMPILED = {
+    "factory-recomputed-under-float64-default": (
+        "factory-recomputed-under-another-default-dtype",
+        "compiled: torch.set_default_dtype(torch.float64) between forward and backward; the "
+        "compiled backward recomputes torch.linspace(0.0, 1.0, 8) (no dtype) as float64 and "
+        "raises (itensor_view_from_dense expects float ... inputDouble; elsewhere 'expected "
+        "m1 and m2 to have the same dtype, float != double') where plain autograd and "
+        "torch.compile without regions run. torch's own SAC under compile raises the same",
+        """
+@sac_region('recompute_all', name='R1')
+def r1(x):
+    return (F.gelu(x),)
+
+@sac_region('recompute_all', name='R2')
+def r2(v1):
+    return (v1 * torch.linspace(0.0, 1.0, 8),)
+
+def program(mods, x, y, w, b, idx, buf, rm, rv):
+    v1, = r1(x)
+    v3, = r2(v1)
+    return (v1, v3)
+
+def after(outs, mods, x, y, w, b, idx, buf, rm, rv):
+    torch.set_default_dtype(torch.float64)
+"""),
+}
+
 _KNOWN_PRELUDE = (_PRELUDE + "import sac_compile as sc\naten = torch.ops.aten\n")
+_KNOWN_CASES = [(k, ("eager",), *v) for k, v in sorted(BOUNDARY_KNOWN.items())] + [
+    (k, ("eager", "compile"), *v) for k, v in sorted(BOUNDARY_KNOWN_COMPILED.items())]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("case", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=reason,
-                                            raises=harness.FuzzFailure))
-    for k, (_, reason, _) in sorted(BOUNDARY_KNOWN.items())])
+    pytest.param(case, id=case[0], marks=pytest.mark.xfail(
+        strict=True, reason=case[3], raises=harness.FuzzFailure)) for case in _KNOWN_CASES])
 def test_boundary_known_failure(case):
-    harness.check_boundary(_KNOWN_PRELUDE + BOUNDARY_KNOWN[case][2])
+    _, modes, _, _, source = case
+    harness.check_boundary(_KNOWN_PRELUDE + source, modes=modes)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("case", sorted(BOUNDARY_KNOWN))
+@pytest.mark.parametrize("case", _KNOWN_CASES, ids=[c[0] for c in _KNOWN_CASES])
 def test_boundary_known_failure_is_explained_by_its_kind(case):
     # the share relies on harness.explain_failure: each pinned case is explained by its kind
     # (a case the library fixed is explained trivially: it passes)
-    kind, _, source = BOUNDARY_KNOWN[case]
-    harness.check_boundary(_KNOWN_PRELUDE + source, namespace=harness.known_namespace(kind))
+    _, modes, kind, _, source = case
+    harness.check_boundary(_KNOWN_PRELUDE + source, modes=modes,
+                           namespace=harness.known_namespace(kind))

@@ -970,7 +970,7 @@ def repro_boundary(source: str, *, failure: str = "", mode: str = "eager",
     setup = 'ns["setup"](t["w"], t["b"], t["buf"])' if "def setup(" in body else "{}"
     out = [f"import torch, sac_compile as sc  # boundary-fuzz repro ({mode}): "
            f"{failure.split(chr(10))[0][:100]}",
-           'P = """', body, '"""',
+           'P = """' + body, '"""',
            "def run(ck):  # ck: sac_compile's regions, else plain calls (plain autograd)",
            f"    exec(P, ns := dict({ns}))",
            "    g = torch.Generator().manual_seed(0); t = dict(x=torch.randn(4, 8, generator=g)"
@@ -978,8 +978,17 @@ def repro_boundary(source: str, *, failure: str = "", mode: str = "eager",
            "randn(8, 8, generator=g) / 3).requires_grad_(), b=torch.randn(8, generator=g)."
            "requires_grad_(), idx=torch.randint(0, 8, (4,), generator=g), buf=torch.zeros(8), "
            "rm=torch.zeros(8), rv=torch.ones(8))",
-           f"    mods = {setup}; torch.manual_seed(1)",
-           f"    outs = {call}(mods, **t)"]
+           f"    mods = {setup}; torch.manual_seed(1)"]
+    if "plain autograd raised" in failure:
+        # plain autograd raises: the reference copies each tensor autograd saves when it is
+        # saved (the forward-time values; harness._Snapshots is the exact form)
+        out[3] = ("def run(ck):  # ck: sac_compile's regions, else plain calls with every "
+                  "saved tensor copied when saved")
+        out += ["    with __import__('contextlib').nullcontext() if ck else torch.autograd."
+                "graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):",
+                f"        outs = {call}(mods, **t)"]
+    else:
+        out.append(f"    outs = {call}(mods, **t)")
     if "def after(" in body:
         out += [f"    loss = {loss}", '    ns["after"](outs, mods, **t)', "    loss.backward()"]
     else:
@@ -1022,6 +1031,15 @@ def _never_offload(fn: Any) -> Any:
     return policy
 
 
+def _save_factories(fn: Any) -> Any:
+    def policy(ctx, op, *args, **kwargs):
+        if not any(isinstance(a, torch.Tensor) for a in
+                   torch.utils._pytree.tree_leaves((args, kwargs))):
+            return CP.MUST_SAVE  # a factory op (torch.full, linspace, ...): never recomputed
+        return fn(ctx, op, *args, **kwargs)
+    return policy
+
+
 KNOWN_KINDS = {
     # the policy saves a view op's output (slice, select, t, expand, reshape, split...);
     # its base is then modified in place (a region input or output, a parameter) before
@@ -1030,6 +1048,10 @@ KNOWN_KINDS = {
     # a value the policy offloads (a plain save on CPU) is modified in place later in the
     # region: no CheckpointError (as there is for MUST_SAVE), the new value is used
     "offloaded-value-modified": (_never_offload, _offload_as_save),
+    # compiled: a factory op without a dtype (torch.linspace, full, ...) recomputed in a
+    # backward that runs under another default dtype (float64) makes float64 values there;
+    # the backward raises (float != double) where plain autograd runs
+    "factory-recomputed-under-another-default-dtype": (_save_factories, None),
 }
 
 

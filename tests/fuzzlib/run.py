@@ -211,7 +211,8 @@ def print_boundary(counts: Any, label: str, modes: tuple, seconds: float) -> Non
     for category in ("silent mismatch", "other failure"):
         kinds = sorted((k.split(": ")[-1], v) for k, v in counts.items()
                        if k.startswith(f"{label}: {category}: "))
-        print(f"  {counts[f'{label}: {category}']:6d}  {category}s" + (
+        plural = {"silent mismatch": "silent mismatches"}.get(category, category + "s")
+        print(f"  {counts[f'{label}: {category}']:6d}  {plural}" + (
             " (" + ", ".join(f"{v} {k}" for k, v in kinds) + ")" if kinds else ""))
     if counts[f"{label}: harness"]:
         print(f"  {counts[f'{label}: harness']:6d}  harness errors (the reference itself)")
