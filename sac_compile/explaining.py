@@ -155,7 +155,7 @@ class _OutsideBytes:
 
 
 def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> PartitionReport:
-    from .eager import collect_stats
+    from .runtime import collect_stats
     outside = _OutsideBytes(_param_storages(fn))
     with collect_stats() as stats:
         with torch.autograd.graph.saved_tensors_hooks(outside.pack, outside.unpack):

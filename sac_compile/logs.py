@@ -1,6 +1,6 @@
 """Logging, by ``torch._logging``'s conventions. Library code prints nothing unless asked.
 
-Loggers: the ``logging.getLogger("sac_compile")`` hierarchy (``sac_compile.eager``,
+Loggers: the ``logging.getLogger("sac_compile")`` hierarchy (``sac_compile.runtime``,
 ``sac_compile.compiler``, ``sac_compile.cli``, ...). The ``sac_compile`` logger has only a
 ``NullHandler`` until you ask for output.
 
@@ -66,7 +66,7 @@ partition_log = _register()
 
 
 def get_logger(name: str = "") -> logging.Logger:
-    """``get_logger("eager")`` is ``logging.getLogger("sac_compile.eager")``."""
+    """``get_logger("eager")`` is ``logging.getLogger("sac_compile.runtime")``."""
     return logging.getLogger(f"{LOGGER}.{name}" if name else LOGGER)
 
 

@@ -234,7 +234,7 @@ def test_library_is_silent_by_default():
 
 def test_env_switch_enables_logger_and_artifact():
     code = ("import logging, sac_compile.logs as L\n"
-            "logging.getLogger('sac_compile.eager').debug('hello-debug')\n"
+            "logging.getLogger('sac_compile.runtime').debug('hello-debug')\n"
             "L.partition_log.debug('hello-artifact')\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
     quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

@@ -17,7 +17,7 @@ from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region, tag
 from sac_compile.compiler import SACPartitioner, make_backend
 from sac_compile.compiler import tagging
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 
 POLICIES = {"recompute_all": "recompute_all", "save_matmuls": policies.save_matmuls,
             "must_recompute": lambda ctx, op, *a, **k: CP.MUST_RECOMPUTE}

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (CheckpointPolicy as P, checkpoint,
 import sac_compile as sc
 from sac_compile import policies
 from sac_compile.compiler import make_backend
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 
 aten = torch.ops.aten
 N_BLOCKS = 3

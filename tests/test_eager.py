@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as P, SaveWithHooks, policies
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 
 aten = torch.ops.aten
 MM = aten.mm.default

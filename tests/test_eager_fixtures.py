@@ -7,7 +7,7 @@ import torch
 
 import sac_compile as sc
 from sac_compile import CheckpointPolicy as P, policies
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 from fixtures.measure import wrapped_blocks
 from fixtures.models import MODEL_NAMES, make_model, max_grad_diff, reference_grads
 

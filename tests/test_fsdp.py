@@ -78,7 +78,7 @@ def _fsdp_run(wrap_block, *, compile_backend=None, steps=2, region_around_call=F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from sac_compile.eager import collect_stats
+    from sac_compile.runtime import collect_stats
 
     mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
@@ -194,7 +194,7 @@ def _torch_sac(fn, policy):
 
 
 def _gathered_run(fn):
-    from sac_compile.eager import collect_stats
+    from sac_compile.runtime import collect_stats
     torch.manual_seed(0)
     w = torch.randn(8, 8)
     x = torch.randn(4, 8, requires_grad=True)

@@ -87,7 +87,7 @@ def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile():
 
 def test_packet_in_an_op_list_policy_matches_every_overload():
     # The supported way to name a packet: a list (or save_ops) expands it.
-    from sac_compile.eager import collect_stats
+    from sac_compile.runtime import collect_stats
     x, w = _xw()
     with collect_stats() as stats:
         sc.checkpoint(lambda x, w: (x @ w).sin(), x, w, policy=[aten.mm]).sum().backward()
@@ -316,7 +316,7 @@ def test_tag_and_name_outside_any_region_are_no_ops_under_compile():
 
 # 8 -------------------------------------------------------------------------------------
 def test_offload_policy_without_accelerator_is_a_plain_save_and_warns_once(monkeypatch):
-    from sac_compile.eager import collect_stats
+    from sac_compile.runtime import collect_stats
     from sac_compile.runtime import record
     monkeypatch.setattr(record, "_WARNED_OFFLOAD_ON_CPU", False)
     x, w = _xw()

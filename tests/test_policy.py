@@ -7,7 +7,7 @@ import torch.utils.checkpoint as tuc
 
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as P, SaveWithHooks, policies
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 from sac_compile.policy import (RegionFrame, Vote, make_decider, decide, normalize_policy,
                                 resolve_decision)
 

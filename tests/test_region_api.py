@@ -563,7 +563,7 @@ def test_with_block_under_compile_runs_through_the_eager_runtime_quietly(recwarn
     """A `with sac_region(...)` block in compiled code is a clean graph break: its ops go
     through the eager runtime (recorded, recomputed), and Dynamo does not trace into the
     runtime (no warnings about torch internals)."""
-    from sac_compile.eager import collect_stats
+    from sac_compile.runtime import collect_stats
 
     x = torch.randn(4, 4, requires_grad=True)
 

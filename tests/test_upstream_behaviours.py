@@ -23,7 +23,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as CP
 from sac_compile.compiler import SACPartitioner, make_backend
-from sac_compile.eager import collect_stats
+from sac_compile.runtime import collect_stats
 
 aten = torch.ops.aten
 MM = aten.mm.default

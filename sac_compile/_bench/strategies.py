@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
-from .. import eager
+from .. import runtime
 from ..regions import sac_region
 from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_storages,
                       wrapped_blocks)
@@ -125,7 +125,7 @@ def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", 
 
     clear_grads(model, inputs)
     torch.manual_seed(seed)
-    with eager.collect_stats() as stats:
+    with runtime.collect_stats() as stats:
         with ours_blocks(model, policy, record_inputs), SavedBytes(exclude) as outside:
             out = loss(model(*inputs))
         policy_bytes = stats.saved_bytes

@@ -60,13 +60,13 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
     (nothing is left for torch to recompute, so the user's Python runs once)."""
     if torch.compiler.is_compiling():
         return fn(*args, **kwargs)
-    from .. import eager
+    from .. import runtime
     from ..policy import normalize_policy
     frame = RegionFrame(name, normalize_policy(policy))
     note_eager_fallback(frame)
     if take_eager_entry():  # our context_fn already runs this call through the eager runtime
         return fn(*args, **kwargs)
-    with eager.eager_region(frame, allow):
+    with runtime.eager_region(frame, allow):
         return fn(*args, **kwargs)
 
 

@@ -323,15 +323,15 @@ class _EagerRegion:
         self._outer_entry: Any = None
 
     def __enter__(self) -> _EagerRegion:
-        from .. import eager
+        from .. import runtime
         from ..runtime.replay import unpack
         stack = contextlib.ExitStack()
         self._outer_entry = getattr(_state, "eager_entry", None)
         _state.eager_entry = self
         stack.callback(setattr, _state, "eager_entry", self._outer_entry)
         try:
-            stack.enter_context(eager.eager_region(self.frame, self.allow))
-            recorder = eager.active_recorder()
+            stack.enter_context(runtime.eager_region(self.frame, self.allow))
+            recorder = runtime.active_recorder()
             if recorder is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack,
                                                                              unpack))

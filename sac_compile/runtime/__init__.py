@@ -1,2 +1,97 @@
-"""The eager runtime's parts: the recorded graph, forward recording, backward replay,
-and statistics. ``sac_compile.eager`` is the entry point."""
+"""The eager runtime: record a region's ATen ops, keep what the decisions save, and in
+backward recompute only what autograd unpacks, starting from the nearest saved values.
+
+How it fits together:
+
+* ``RegionRecorder`` is a dispatch mode active while the outermost region runs forward.
+  Each ATen op becomes an ``OpNode`` holding the op, its arguments (tensors replaced by
+  references to the producing node, or by a ``LeafRef`` for tensors from outside the
+  region) and its decision. Saved nodes hold their outputs; the others hold nothing.
+* Autograd's saved tensors go through ``saved_tensors_hooks``: a tensor produced in the
+  region is packed as a ``SavedHandle`` (node, output index) instead of the tensor.
+* Unpacking a handle materialises its node: saved values are returned, missing ones are
+  recomputed iteratively from their inputs, and each recomputed node drops its inputs, so
+  a value lives exactly as long as some handle still needs it (Python refcounting does
+  the "free after last use", and ``retain_graph=True`` keeps handles, hence values).
+* The user's Python is never re-run; random ops replay the generator state they saw.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from ..policy import RegionFrame
+from .record import RegionRecorder
+from .replay import unpack_hook
+from .stats import EagerStats, SavedValueRecord, collect_stats
+
+__all__ = ["EagerStats", "RegionRecorder", "SavedValueRecord", "active_recorder",
+           "collect_stats", "eager_region"]
+
+_ACTIVE = threading.local()
+
+
+def active_recorder() -> RegionRecorder | None:
+    return getattr(_ACTIVE, "recorder", None)
+
+
+@contextlib.contextmanager
+def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -> Iterator[None]:
+    """Run the body as a region: the outermost one records, nested ones add their policy."""
+    recorder = active_recorder()
+    if recorder is not None:
+        outer = recorder.frames
+        recorder.frames = outer + (frame,)
+        if allow_cache_entry_mutation:  # applies to the values this inner region saves
+            recorder.allowing_frames.add(id(frame))
+        try:
+            yield
+        finally:
+            recorder.frames = outer
+        return
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        yield  # nothing will be saved for backward: a plain forward
+        return
+    if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+        keep_dynamo_out()
+    recorder = RegionRecorder(frame, allow_cache_entry_mutation)
+    _ACTIVE.recorder = recorder
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack_hook()), recorder:
+            yield
+    finally:
+        _ACTIVE.recorder = None
+    recorder.finish()
+
+
+_dynamo_kept_out = False
+
+
+def keep_dynamo_out() -> None:
+    """The runtime runs inside compiled code after a graph break (a region that graph-breaks,
+    a ``with sac_region(...)`` block, a backend without AOTAutograd). Dynamo must not trace
+    it: it cannot (dispatch modes, saved-tensor hooks), and trying costs recompiles
+    ("hit config.recompile_limit") and prints warnings about torch internals. The runtime's
+    per-op and per-tensor frames (the recorder's ``__torch_dispatch__``, the pack and unpack
+    hooks, this context manager) are skipped with everything they call: a flag on their code
+    objects, free per call (the dispatch mode opts out of torch's per-call disable trampoline
+    for speed).
+
+    Called on the first region entry once Dynamo is loaded (``"torch._dynamo" in
+    sys.modules``): an eager-only user never imports it."""
+    global _dynamo_kept_out
+    _dynamo_kept_out = True
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - another torch: Dynamo may try, and fall back
+        return
+    from . import replay
+    skip_all = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for fn in (RegionRecorder.__torch_dispatch__, RegionRecorder.pack, replay.unpack,
+               getattr(eager_region, "__wrapped__", eager_region)):
+        set_code_exec_strategy(fn.__code__, skip_all)

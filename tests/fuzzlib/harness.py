@@ -532,7 +532,7 @@ def check(source: str, *, modes: tuple = ("eager", "compile"), compiler: str = "
     if "eager" in modes:
         HookCounts.pack = HookCounts.unpack = 0
         exc = None
-        from sac_compile.eager import collect_stats
+        from sac_compile.runtime import collect_stats
         try:
             with collect_stats() as stats:
                 got = run(load(source, _real_namespace()), seed)
