@@ -53,12 +53,25 @@ def _ops(gm, name):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
+def _compile_and_run_on_meta(fn, backend, *args):
+    """Compile ``fn`` (the backend captures the split graphs) and run it on the meta device.
+    torch's offload op copies into a pinned CPU buffer, which a meta tensor cannot do once
+    torch's transfer state exists (the second such run in a process): the graphs are
+    captured by then, and they are what these tests check."""
+    try:
+        return torch.compile(fn, backend=backend)(*args)
+    except NotImplementedError as e:
+        if "meta tensor" not in str(e):
+            raise
+        return None
+
+
 def test_offload_and_reload_placement_on_a_device():
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
     torch._dynamo.reset()
     model, x = _meta_mlp(policies.offload_ops(aten.addmm))
     backend, cap = capturing_backend()
-    torch.compile(model, backend=backend)(x)  # forward only: reload needs an accelerator
+    _compile_and_run_on_meta(model, backend, x)  # forward only: reload needs an accelerator
     fw, bw, report = cap.fw, cap.bw, cap.report
     offloads = _ops(fw, "offload")
     reloads = _ops(bw, "reload")
@@ -195,7 +208,7 @@ def test_a_saved_view_of_an_offloaded_value_offloads_the_value():
     backend, cap = capturing_backend()
     x = torch.randn(4, 8, device="meta", requires_grad=True)
     w = torch.randn(8, 8, device="meta", requires_grad=True)
-    torch.compile(block, backend=backend)(x, w)  # no CheckpointError: the mm is offloaded
+    _compile_and_run_on_meta(block, backend, x, w)  # no CheckpointError: mm is offloaded
     (offload,) = _ops(cap.fw, "offload")
     assert offload.args[0].target is aten.mm.default
     (row,) = [r for r in cap.report.saved if not r.is_input]
