@@ -83,6 +83,30 @@ def test_checkpoint_call_inside_compiled_code_is_keyed_too():
     assert hashes([aten.relu.default]) != first
 
 
+def test_reports_asked_for_bypass_the_cache():
+    """A cache hit skips the partitioner: with an on_partition callback (explain(), the
+    report's figures) the regions get no hash, so every compile partitions and reports."""
+    seen = []
+    backend = make_backend(compiler="aot_eager", on_partition=lambda report: None)
+
+    def recording(gm, example_inputs, **kwargs):
+        compiled = backend(gm, example_inputs, **kwargs)
+        with pytest.raises(BypassAOTAutogradCache):
+            _collect_context_fn_hashes(gm)
+        seen.append(gm)
+        return compiled
+
+    @sac_region("save_matmuls", name="Block")
+    def block(x, w):
+        return (x @ w).relu() @ w
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    torch.compile(lambda x, w: block(x, w).sum(), backend=recording)(x, w).backward()
+    assert len(seen) == 1
+
+
 def test_lambda_policy_bypasses_the_cache():
     assert isinstance(_hashes_torch_reads(lambda ctx, op, *a, **k: None),
                       BypassAOTAutogradCache)

@@ -8,7 +8,9 @@
   torch's ``aot_eager`` it ignores ``mode``/``options`` (with torch's log warning).
 
 Both give each of our regions in Dynamo's graph the ``cache_hash`` AOTAutograd's cache
-needs (:mod:`.cache_keys`), so a warm compile is a cache hit.
+needs (:mod:`.cache_keys`), so a warm compile is a cache hit - unless an ``on_partition``
+callback asks for reports: a cache hit skips the partitioner, hence its report, so then
+those graphs bypass AOTAutograd's cache (Inductor's FX graph cache still applies).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | int | str
                          mode: str | None = None, options: dict[str, Any] | None = None) -> Any:
             from torch._inductor.compile_fx import compile_fx
             patches = inductor_patches(partitioner, mode, options)
-            annotate_regions(gm)
+            _let_caches_serve(gm, partitioner)
             with sac_partitioning():
                 return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -67,9 +69,16 @@ class _SACAotAutograd(AotAutograd):
     split by our partitioner (regions then do not warn that they need it)."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        annotate_regions(gm)
+        _let_caches_serve(gm, self.kwargs["partition_fn"])
         with sac_partitioning():
             return super().__call__(gm, example_inputs, **kwargs)
+
+
+def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: SACPartitioner) -> None:
+    """Key our regions for AOTAutograd's cache, unless reports are asked for (a hit would
+    skip the partitioner and its ``on_partition`` call)."""
+    if partitioner.on_partition is None:
+        annotate_regions(gm)
 
 
 def inductor_patches(partitioner: SACPartitioner, mode: str | None,
