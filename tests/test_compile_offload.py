@@ -53,6 +53,16 @@ def _ops(gm, name):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
+@pytest.fixture(autouse=True)
+def fresh_offload_runtime_state():
+    """torch's offload ops keep process-wide state (transfer streams, pending waits, a
+    pinned-buffer pool); a run on the meta device leaves entries a later test would reuse."""
+    ops = pytest.importorskip("torch._functorch._activation_offloading.offload_ops")
+    for clear in (ops._transfer_streams.clear, ops._clear_wait_registry, ops._pool_clear):
+        clear()
+    yield
+
+
 def _compile_and_run_on_meta(fn, backend, *args):
     """Compile ``fn`` (the backend captures the split graphs) and run it on the meta device.
     torch's offload op copies into a pinned CPU buffer, which a meta tensor cannot do once
@@ -213,3 +223,15 @@ def test_a_saved_view_of_an_offloaded_value_offloads_the_value():
     assert offload.args[0].target is aten.mm.default
     (row,) = [r for r in cap.report.saved if not r.is_input]
     assert row.op == "aten.mm.default" and "offloaded to the CPU" in row.reason, row
+
+
+def test_offload_options_are_the_same_for_every_compile():
+    """torch's config.patch leaves a flag marked overridden after restoring it; the second
+    compile in a process must still take the asynchronous path (it took the synchronous
+    one, prims.device_put)."""
+    from sac_compile.compiler import offload
+    first = offload.offload_options()
+    with offload.torch_api().functorch_config.patch(first):
+        pass
+    assert offload.offload_options() == first
+    assert first["activation_offload_separate_stream"] is True

@@ -97,11 +97,19 @@ def offload_options(device: torch.device | None = None) -> dict[str, bool]:
     Prefetching times the backward's compute ops by running them (torch's
     ``benchmark_node``), so it is off unless ``device`` is the available accelerator's."""
     cfg = torch_api().functorch_config
-    options = {flag: (getattr(cfg, flag) if not cfg._is_default(flag) else default)
-               for flag, default in DEFAULTS.items()}
+    options = {flag: (value if value != _torch_default(cfg, flag) else default)
+               for flag, default in DEFAULTS.items() for value in [getattr(cfg, flag)]}
     if options["activation_reload_prefetch"] and not _runnable(device):
         options["activation_reload_prefetch"] = False
     return options
+
+
+def _torch_default(cfg: Any, flag: str) -> Any:
+    """torch's own default for ``flag``. (Not ``cfg._is_default``: a ``cfg.patch`` marks the
+    flag overridden even after it restores the value, so every compile after the first
+    would read "the user chose torch's default" and run the synchronous path.)"""
+    entry = getattr(cfg, "_config", {}).get(flag)
+    return getattr(entry, "default", None)
 
 
 def _runnable(device: torch.device | None) -> bool:
