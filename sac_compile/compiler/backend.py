@@ -74,10 +74,10 @@ class _SACAotAutograd(AotAutograd):
             return super().__call__(gm, example_inputs, **kwargs)
 
 
-def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: SACPartitioner) -> None:
+def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:
     """Key our regions for AOTAutograd's cache, unless reports are asked for (a hit would
-    skip the partitioner and its ``on_partition`` call)."""
-    if partitioner.on_partition is None:
+    skip the partitioner and its ``on_partition`` call) or the partitioner is not ours."""
+    if isinstance(partitioner, SACPartitioner) and partitioner.on_partition is None:
         annotate_regions(gm)
 
 
