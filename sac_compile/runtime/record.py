@@ -49,6 +49,18 @@ class RegionRecorder(TorchDispatchMode):
                                      torch._C._dispatch_tls_local_exclude_set())
         return super().__enter__()
 
+    def _saved_alias(self, node: OpNode, t: torch.Tensor) -> torch.Tensor:
+        """The alias kept for a saved output. A view op's output gets its base's version
+        counter from autograd only after this mode returns, so it is kept as the same view
+        of an alias of its base: an in-place op on the base after the region then shows."""
+        if _is_view_op(node.op) and not t.is_inference():
+            base = _input_sharing_storage(node, t)
+            if base is not None:
+                with torch._C._ForceDispatchKeyGuard(*self.caller_dispatch_keys):
+                    return self._alias(base, saving=False).as_strided(
+                        t.size(), t.stride(), t.storage_offset())
+        return self._alias(t, saving=True)
+
     def _alias(self, t: torch.Tensor, saving: bool) -> torch.Tensor:
         """A detached alias of ``t`` that shares its version counter."""
         if saving and not _needs_detach(t):
@@ -273,12 +285,15 @@ class RegionRecorder(TorchDispatchMode):
                     # saved, so the op is recomputed when backward needs it.
                     values = []
                     break
-                values.append(self._alias(t, saving=True) if t is not None else None)
+                values.append(self._saved_alias(node, t) if t is not None else None)
             node.value = values or None
             # The versions the outputs have once the op returns (an in-place op's bump
             # comes after the mode).
             node.versions = [f[1] if f is not None else None
                              for f in node.outs] if values else None
+            if values and _is_view_op(node.op):  # aliases of the base: its counter now
+                node.versions = [v._version if isinstance(v, torch.Tensor) and not
+                                 v.is_inference() else None for v in values]
             self._index_saved(node)
         elif was_saved and not decision.saves:
             node.value = node.versions = None
@@ -348,6 +363,7 @@ class RegionRecorder(TorchDispatchMode):
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
+            _realias_with_final_version_counters(node)
             _store_saved(node)
         if self.kept_effects:  # the warning judges what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
@@ -395,6 +411,37 @@ def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
                 dep.uses += 1
             stack.extend(deps)
     return needed
+
+
+def _is_view_op(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    return schema is not None and bool(schema.returns) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None:
+    key = storage_key(t)
+    for a in node.args:
+        value = a.value if type(a) is LeafRef else (
+            a.node.outs[a.index][0]() if type(a) is OutRef and a.node.outs[a.index] else None)
+        if isinstance(value, torch.Tensor) and storage_key(value) == key:
+            return value
+    return None
+
+
+def _realias_with_final_version_counters(node: OpNode) -> None:
+    """A view op's output gets its base's version counter from autograd *after* the
+    dispatch mode returns, so an alias taken while recording has a counter of its own,
+    blind to a later in-place op on the base. At region exit the counters are final:
+    take the aliases again from the live outputs (same storage, same values)."""
+    if node.versions is None or node.mutated_by is not None or node.value is None:
+        return  # a private copy (allow_cache_entry_mutation), or already an error
+    for i, facts in enumerate(node.outs):
+        t = facts[0]() if facts is not None else None
+        if t is None or not isinstance(node.value[i], torch.Tensor) or not t._is_view():
+            continue
+        if t._version == node.versions[i]:
+            node.value[i] = t.detach() if _needs_detach(t) else t
 
 
 def _store_saved(node: OpNode) -> None:

@@ -250,6 +250,8 @@ def _live_forward_outputs(node: OpNode) -> list[Any] | None:
 
 
 def _restore_packed(node: OpNode) -> list[Any]:
+    if node.mutated_by is not None:  # packed at region exit, after the region's mutation
+        _check_not_mutated(node)
     hooks = node.decision.hooks
     versions = node.versions
     if versions is not None:

@@ -302,13 +302,15 @@ class HookCounts:
 
 
 def _pack(t):
+    # Torch code on tensors, branching only on the dtype: traceable, so under compile the
+    # hooks are traced into the graphs as in a user's bf16/int8 hooks.
     HookCounts.pack += 1
-    return (t * 2.0, True) if t.is_floating_point() else (t.clone(), False)
+    return (t * 2.0,) if t.is_floating_point() else (t.clone(),)
 
 
 def _unpack(p):
     HookCounts.unpack += 1
-    return p[0] / 2.0 if p[1] else p[0]
+    return p[0] / 2.0 if p[0].is_floating_point() else p[0]
 
 
 def _real_namespace(force_allow_mutation: bool = False) -> dict:
@@ -1041,13 +1043,6 @@ def _save_factories(fn: Any) -> Any:
 
 
 KNOWN_KINDS = {
-    # the policy saves a view op's output (slice, select, t, expand, reshape, split...);
-    # its base is then modified in place (a region input or output, a parameter) before
-    # backward: no error, the new value is used
-    "saved-view-base-modified": (_never_save_views, None),
-    # a value the policy offloads (a plain save on CPU) is modified in place later in the
-    # region: no CheckpointError (as there is for MUST_SAVE), the new value is used
-    "offloaded-value-modified": (_never_offload, _offload_as_save),
     # compiled: a factory op without a dtype (torch.linspace, full, ...) recomputed in a
     # backward that runs under another default dtype (float64) makes float64 values there;
     # the backward raises (float != double) where plain autograd runs
