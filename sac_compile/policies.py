@@ -95,9 +95,12 @@ else is recomputed."""
 
 def save_only_these_names(*labels: str) -> NamedPolicy:
     """MUST_SAVE outputs labelled with :func:`sac_compile.name` as one of ``labels``."""
+    if len(labels) == 1 and isinstance(labels[0], (list, tuple, set, frozenset)):
+        labels = tuple(labels[0])  # save_only_these_names(["a", "b"]), as JAX's takes
+    if not all(isinstance(label, str) for label in labels):
+        raise TypeError(f"save_only_these_names takes label strings, e.g. "
+                        f"save_only_these_names('attn_out', 'mlp_in'), got {labels!r}")
     wanted = frozenset(labels)
-    if not all(isinstance(label, str) for label in wanted):
-        raise TypeError(f"save_only_these_names takes strings, got {labels!r}")
 
     def saves_named(ctx, op, *args, **kwargs):
         return MUST_SAVE if wanted & getattr(ctx, "names", frozenset()) else None

@@ -465,3 +465,35 @@ def test_tensor_subclass_two_tensor(mode):
         torch.testing.assert_close(o.b, r.b) if isinstance(r, TwoTensor) else None
         if not isinstance(r, TwoTensor):
             torch.testing.assert_close(o, r)
+
+
+def test_save_only_these_names_takes_a_list_too():
+    a = sc.policies.save_only_these_names(["attn", "mlp"])
+    b = sc.policies.save_only_these_names("attn", "mlp")
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(x):
+        return sc.name(x.sin(), "attn").cos()
+
+    for policy in (a, b):
+        decisions = []
+        with sc.runtime.collect_stats() as stats:
+            sc.sac_region(policy, name="N")(f)(x)
+        decisions = {op: d.label for op, d in stats.decisions}
+        assert decisions["aten.sin.default"] == "MUST_SAVE", decisions
+    with pytest.raises(TypeError, match="takes label strings"):
+        sc.policies.save_only_these_names(1, 2)
+
+
+def test_save_with_hooks_whose_pack_raises_names_the_op_and_region():
+    x, _ = _xw()
+
+    def pack(t):
+        raise ValueError("boom")
+
+    hooks = sc.SaveWithHooks(pack, lambda p: p)
+    block = sc.sac_region(lambda ctx, op, *a, **k: hooks if op is aten.sin.default else None,
+                          name="P")(lambda x: x.sin().sin())
+    with pytest.raises(CheckpointError, match=r"aten\.sin\.default \(op #0 of region 'P'\): "
+                       r"pack raised ValueError: boom"):
+        block(x)

@@ -444,11 +444,21 @@ def _realias_with_final_version_counters(node: OpNode) -> None:
             node.value[i] = t.detach() if _needs_detach(t) else t
 
 
+def _call_pack(node: OpNode, value: torch.Tensor) -> Any:
+    try:
+        return node.decision.hooks.pack(value)
+    except Exception as e:
+        raise CheckpointError(
+            f"{node.decision.hooks!r} on {node.describe()}: pack raised {type(e).__name__}: "
+            f"{e} while saving {tuple(value.shape)} {value.dtype}; fix the pack hook, or "
+            f"return MUST_SAVE for this op") from e
+
+
 def _store_saved(node: OpNode) -> None:
     """Apply the decision's storage: plain, CPU offload, or the user's pack hook."""
     decision = node.decision
     if decision.hooks is not None:
-        node.packed = [decision.hooks.pack(v) if isinstance(v, torch.Tensor) else v
+        node.packed = [_call_pack(node, v) if isinstance(v, torch.Tensor) else v
                        for v in node.value]
     elif decision.offloads:
         if not _WARNED_OFFLOAD_ON_CPU and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
