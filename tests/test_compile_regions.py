@@ -143,9 +143,13 @@ def test_graph_break_in_region_falls_back_to_eager_runtime(caplog):
     x.grad = w.grad = None
     calls.clear()
     fn = torch.compile(lambda x, w: block(x, w).sum(), backend=make_backend(compiler="aot_eager"))
-    with caplog.at_level(logging.WARNING, logger="sac_compile"):
+    with caplog.at_level(logging.WARNING, logger="sac_compile"), \
+            pytest.warns(UserWarning, match=r"region 'Breaks' graph-broke under "
+                         r"torch\.compile.*use_cache=False") as warned:
         fn(x, w).backward()
         fn(x, w)
+    # reported by default too (a UserWarning), once
+    assert sum("'Breaks' graph-broke" in str(w_.message) for w_ in warned) == 1
     assert torch.allclose(x.grad, ref[0]) and torch.allclose(w.grad, ref[1])
     assert len(calls) == 2  # the user's Python ran once per call, never in backward
     # Logged once (two calls, each running the region through the eager runtime), saying

@@ -153,8 +153,15 @@ quiet_torch_context_fn_warning()
 
 
 def note_eager_fallback(frame: RegionFrame) -> None:
-    """Log once per region name that a compiled region ran through the eager runtime."""
+    """Say once per region name, by default (a ``UserWarning``, and the ``sac_compile``
+    log), that a compiled region graph-broke and runs through the eager runtime: correct,
+    but not what the user compiled for, so it must not pass unseen."""
     if frame.name not in _logged:
         _logged.add(frame.name)
-        log.warning("sac_compile: region %r graph-broke under torch.compile; it runs through "
-                    "the eager runtime (correct, but not compiled)", frame.name)
+        message = ("sac_compile: region %r graph-broke under torch.compile; it runs through "
+                   "the eager runtime (correct, but not compiled)")
+        log.warning(message, frame.name)
+        import warnings
+        warnings.warn(message % (frame.name,) + ". TORCH_LOGS=graph_breaks shows where; a "
+                      "common cause is a KV cache (Hugging Face: config.use_cache=False for "
+                      "training) (warned once per region)", stacklevel=2)
