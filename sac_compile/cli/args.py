@@ -149,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Checks
 # --------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
 
 def parse_budget(text: str) -> float | int:

@@ -2,7 +2,7 @@
 
 One predicate for both modes. Eager: the runtime keeps the outputs of such an op (counted
 as saved, reason "collective: not replayed") instead of replaying it in backward, unless
-the policy says MUST_RECOMPUTE. Compiled: the cut (``compiler/flow.py``) bans recomputing
+the policy says MUST_RECOMPUTE. Compiled: the cut (``compiler/network.py``) bans recomputing
 them under the same condition.
 
 Replaying a collective in backward re-issues it: one more round of communication, and a
