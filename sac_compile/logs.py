@@ -30,9 +30,10 @@ import logging
 import os
 import re
 import sys
+import warnings
 
 __all__ = ["LOGGER", "ARTIFACT", "ENV_VAR", "log", "partition_log", "get_logger", "enable",
-           "disable", "apply_settings"]
+           "disable", "apply_settings", "warn_once_per_region"]
 
 LOGGER = "sac_compile"
 ARTIFACT = "sac_partition"
@@ -143,3 +144,17 @@ def apply_settings(settings: str) -> None:
 
 if os.environ.get(ENV_VAR):
     apply_settings(os.environ[ENV_VAR])
+
+
+_WARNED_ONCE: set[tuple[str, str]] = set()
+
+
+def warn_once_per_region(kind: str, region: str, message: str, *, stacklevel: int = 2) -> bool:
+    """A ``UserWarning`` the first time ``kind`` happens to the region named ``region`` in
+    this process; nothing after that. Returns whether it warned. (``stacklevel`` counts
+    from the caller, as for ``warnings.warn``.)"""
+    if (kind, region) in _WARNED_ONCE:
+        return False
+    _WARNED_ONCE.add((kind, region))
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+    return True

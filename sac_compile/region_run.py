@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from . import runtime
+from .logs import warn_once_per_region
 from .policy import RegionFrame
 
 __all__ = ["run_region"]
@@ -24,15 +25,9 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
         return fn(*args, **kwargs)
 
 
-_warned_jit_trace: set[str] = set()
-
-
 def _warn_jit_trace(frame: RegionFrame) -> None:
-    if frame.name in _warned_jit_trace:
-        return
-    _warned_jit_trace.add(frame.name)
-    import warnings
-    warnings.warn(
+    warn_once_per_region(
+        "jit.trace", frame.name,
         f"torch.jit.trace records the ops of sac_region {frame.name!r} without its "
         f"checkpointing: the traced module saves what plain autograd saves. Trace the model "
         f"for inference only, or use torch.compile(model, backend=sac_compile.sac_backend) to "

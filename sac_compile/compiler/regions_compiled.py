@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
 from .tagging import encode_opinion, name_op, region_contexts, tag_op, take_eager_entry
 
@@ -37,7 +38,6 @@ __all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
            "torch_sac_contexts", "context_fn_kind"]
 
 log = logging.getLogger("sac_compile")
-_logged: set[str] = set()
 
 
 def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: dict,
@@ -156,12 +156,11 @@ def note_eager_fallback(frame: RegionFrame) -> None:
     """Say once per region name, by default (a ``UserWarning``, and the ``sac_compile``
     log), that a compiled region graph-broke and runs through the eager runtime: correct,
     but not what the user compiled for, so it must not pass unseen."""
-    if frame.name not in _logged:
-        _logged.add(frame.name)
-        message = ("sac_compile: region %r graph-broke under torch.compile; it runs through "
-                   "the eager runtime (correct, but not compiled)")
+    message = ("sac_compile: region %r graph-broke under torch.compile; it runs through "
+               "the eager runtime (correct, but not compiled)")
+    if warn_once_per_region(
+            "graph break", frame.name,
+            message % (frame.name,) + ". TORCH_LOGS=graph_breaks shows where; a common cause "
+            "is a KV cache (Hugging Face: config.use_cache=False for training) (warned once "
+            "per region)", stacklevel=2):
         log.warning(message, frame.name)
-        import warnings
-        warnings.warn(message % (frame.name,) + ". TORCH_LOGS=graph_breaks shows where; a "
-                      "common cause is a KV cache (Hugging Face: config.use_cache=False for "
-                      "training) (warned once per region)", stacklevel=2)

@@ -51,13 +51,13 @@ import itertools
 import operator
 import sys
 import threading
-import warnings
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from ..logs import warn_once_per_region
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
                       Opinion, RegionFrame, SaveWithHooks, decide, foreign_tensor_message,
                       warn_inert_policies)
@@ -396,21 +396,16 @@ def _partition_fn_on_stack() -> Any:
     return None
 
 
-_warned_foreign: set[str] = set()
-
-
 def _warn_foreign_partitioner(name: str) -> None:
-    if name in _warned_foreign:
-        return
-    _warned_foreign.add(name)
-    warnings.warn(
+    warn_once_per_region(
+        "torch's partitioner", name,
         f"sac_compile: region {name!r} is compiled by a backend that splits forward and "
         f"backward with torch's partitioner, not sac_compile's: torch applies the policy's "
         f"decisions as its own SAC tags, but tag()/name() opinions (and policies that "
         f"decide by name) are ignored, and no PartitionReport or memory budget applies. "
         f"Compile with backend=sac_compile.sac_backend or sac_compile.make_backend(...) "
         f"(or, with backend='inductor', set torch._inductor.config.custom_partitioner_fn="
-        f"sac_compile.compiler.SACPartitioner())", UserWarning, stacklevel=3)
+        f"sac_compile.compiler.SACPartitioner())", stacklevel=3)
 
 
 

@@ -40,7 +40,7 @@ class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
     __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves", "effect",
-                 "process_group")
+                 "process_group", "is_view")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -68,6 +68,10 @@ class OpInfo:
         # which cannot be replayed at all.
         self.effect = effect_reason(op)
         self.process_group = is_process_group_collective(op)
+        # A view op (an output aliasing an input, not written): autograd gives its output
+        # the base's version counter only after the dispatch mode returns.
+        self.is_view = schema is not None and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -193,12 +197,14 @@ class SavedHandle:
         self.index = index
 
 
+def needs_detach(t: torch.Tensor) -> bool:
+    # Integer/bool tensors that are not views are kept as the very same object; float
+    # tensors as detached aliases, so saving them makes no autograd cycle.
+    return not (t.dtype in _NON_DIFF_DTYPES and not t._is_view())
+
+
 def alias_for_saving(t: torch.Tensor) -> torch.Tensor:
-    # Integer/bool tensors that are not views come back as the very same object; float
-    # tensors are kept as detached aliases so saving them makes no autograd cycle.
-    if t.dtype in _NON_DIFF_DTYPES and not t._is_view():
-        return t
-    return t.detach()
+    return t.detach() if needs_detach(t) else t
 
 
 def nbytes(t: torch.Tensor) -> int:

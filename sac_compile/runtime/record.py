@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, DecidedOp, Opinion,
                       RegionFrame, decide, make_decider, op_name, warn_inert_policies)
 from .effects import KeptDecision, kept_decision
-from .graph import (_NON_DIFF_DTYPES, OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef,
-                    ReplayContext, SavedHandle, flat_outputs, map_refs, mutated_tensors,
-                    nbytes, op_info, storage_key)
+from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, ReplayContext,
+                    SavedHandle, flat_outputs, map_refs, mutated_tensors, nbytes,
+                    needs_detach, op_info, storage_key)
 from .stats import SavedValueRecord, active_stats
 
 class RegionRecorder(TorchDispatchMode):
@@ -53,7 +53,7 @@ class RegionRecorder(TorchDispatchMode):
         """The alias kept for a saved output. A view op's output gets its base's version
         counter from autograd only after this mode returns, so it is kept as the same view
         of an alias of its base: an in-place op on the base after the region then shows."""
-        if _is_view_op(node.op) and not t.is_inference():
+        if op_info(node.op).is_view and not t.is_inference():
             base = _input_sharing_storage(node, t)
             if base is not None:
                 with torch._C._ForceDispatchKeyGuard(*self.caller_dispatch_keys):
@@ -63,7 +63,7 @@ class RegionRecorder(TorchDispatchMode):
 
     def _alias(self, t: torch.Tensor, saving: bool) -> torch.Tensor:
         """A detached alias of ``t`` that shares its version counter."""
-        if saving and not _needs_detach(t):
+        if saving and not needs_detach(t):
             return t
         if not saving and not t.requires_grad:
             return t
@@ -291,7 +291,7 @@ class RegionRecorder(TorchDispatchMode):
             # comes after the mode).
             node.versions = [f[1] if f is not None else None
                              for f in node.outs] if values else None
-            if values and _is_view_op(node.op):  # aliases of the base: its counter now
+            if values and op_info(node.op).is_view:  # aliases of the base: its counter now
                 node.versions = [v._version if isinstance(v, torch.Tensor) and not
                                  v.is_inference() else None for v in values]
             self._index_saved(node)
@@ -363,7 +363,6 @@ class RegionRecorder(TorchDispatchMode):
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
-            _realias_with_final_version_counters(node)
             _store_saved(node)
         if self.kept_effects:  # the warning judges what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
@@ -381,12 +380,6 @@ class RegionRecorder(TorchDispatchMode):
         self.handles.clear()
         self.decisions.clear()
 
-
-
-def _needs_detach(t: torch.Tensor) -> bool:
-    # As graph.alias_for_saving: integer/bool tensors that are not views are kept as they
-    # are; float tensors as detached aliases, so saving them makes no autograd cycle.
-    return not (t.dtype in _NON_DIFF_DTYPES and not t._is_view())
 
 
 def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
@@ -413,12 +406,6 @@ def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
     return needed
 
 
-def _is_view_op(op: Any) -> bool:
-    schema = getattr(op, "_schema", None)
-    return schema is not None and bool(schema.returns) and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
 def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None:
     key = storage_key(t)
     for a in node.args:
@@ -427,21 +414,6 @@ def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None
         if isinstance(value, torch.Tensor) and storage_key(value) == key:
             return value
     return None
-
-
-def _realias_with_final_version_counters(node: OpNode) -> None:
-    """A view op's output gets its base's version counter from autograd *after* the
-    dispatch mode returns, so an alias taken while recording has a counter of its own,
-    blind to a later in-place op on the base. At region exit the counters are final:
-    take the aliases again from the live outputs (same storage, same values)."""
-    if node.versions is None or node.mutated_by is not None or node.value is None:
-        return  # a private copy (allow_cache_entry_mutation), or already an error
-    for i, facts in enumerate(node.outs):
-        t = facts[0]() if facts is not None else None
-        if t is None or not isinstance(node.value[i], torch.Tensor) or not t._is_view():
-            continue
-        if t._version == node.versions[i]:
-            node.value[i] = t.detach() if _needs_detach(t) else t
 
 
 def _call_pack(node: OpNode, value: torch.Tensor) -> Any:

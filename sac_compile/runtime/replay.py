@@ -22,12 +22,8 @@ def unpack(packed: Any) -> torch.Tensor:
     node = packed.node
     if _CA is not None and _CA.in_compiled_autograd_region:
         return _unpack_progressive(packed)
-    value = node.value
-    if value is not None and node.mutated_by is None:
-        versions = node.versions
-        if versions is not None and value[packed.index]._version != versions[packed.index]:
-            raise _mutated_after_region(node, packed.index)
-        return value[packed.index]
+    if node.value is not None and node.mutated_by is None:
+        return _unpack_value(node, packed.index)
     ctx = node.ctx
     with ctx.lock:
         if torch.get_default_dtype() != ctx.default_dtype:
@@ -94,6 +90,8 @@ def _unpack_progressive(packed: SavedHandle) -> torch.Tensor:
 
 
 def _unpack_value(node: OpNode, index: int) -> torch.Tensor:
+    """A value the node holds, unless the program modified it since (it aliases the
+    program's tensor while ``node.versions`` is set)."""
     value = node.value
     versions = node.versions
     if versions is not None and value[index]._version != versions[index]:
@@ -281,11 +279,7 @@ def _restore_packed(node: OpNode) -> list[Any]:
 
 
 def _recomputed_value(ref: OutRef) -> Any:
-    node = ref.node
-    versions = node.versions
-    if versions is not None and node.value[ref.index]._version != versions[ref.index]:
-        raise _mutated_after_region(node, ref.index)
-    return node.value[ref.index]
+    return _unpack_value(ref.node, ref.index)
 
 
 class _LeafReader:
