@@ -18,6 +18,12 @@ which Inductor's cache key includes. A policy with no stable identity (a lambda,
 a callable object) gets no hash: that region bypasses the cache, as before (logged at
 debug level on the ``sac_compile`` logger). A policy may name its own identity with a
 ``cache_hash`` attribute.
+
+``SaveWithHooks`` are covered the same way (:func:`hooks_key`: the identity of ``pack`` and
+``unpack`` by the rules above): returned by a policy, a ``SaveWithHooks`` global the policy
+reads is part of its key; given to ``tag()``, the marker's string in the region's graph
+names the hooks' identity (:mod:`.markers`), and a region holding a tag whose hooks have
+none gets no hash either.
 """
 from __future__ import annotations
 
@@ -29,7 +35,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["policy_key", "region_cache_hash", "annotate_regions", "KeyedContextFn"]
+from ..policy import SaveWithHooks
+
+__all__ = ["policy_key", "hooks_key", "region_cache_hash", "annotate_regions",
+           "KeyedContextFn"]
 
 log = logging.getLogger("sac_compile")
 
@@ -69,6 +78,19 @@ def policy_key(policy: Any) -> str | None:
     return None  # a callable object, a bound method, a builtin: state we cannot see
 
 
+def hooks_key(hooks: Any) -> str | None:
+    """A text that names a ``SaveWithHooks`` the same way in every process: its ``pack``
+    and ``unpack`` by :func:`policy_key`'s rules (module-level functions, or a
+    ``cache_hash`` attribute); None when either has no stable identity."""
+    own = getattr(hooks, "cache_hash", None)
+    if isinstance(own, str):
+        return f"cache_hash:{own}"
+    pack, unpack = policy_key(hooks.pack), policy_key(hooks.unpack)
+    if pack is None or unpack is None:
+        return None
+    return f"SaveWithHooks({pack}; {unpack})"
+
+
 def region_cache_hash(kind: str, name: str, policy: Any, allow: bool) -> str | None:
     key = policy_key(policy)
     if key is None:
@@ -92,6 +114,12 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             continue  # not ours (torch's caching rules apply), or done already
         name, policy, *rest = context_fn.args
         allow = bool(rest[0]) if rest else False
+        if _has_unstable_hooks_tag(module):
+            log.debug("sac_compile: region %r: a tag(..., SaveWithHooks) in it has hooks with "
+                      "no stable identity (a lambda, a closure or a callable object), so "
+                      "AOTAutograd's cache is bypassed for the graph that contains it; use "
+                      "module-level functions for pack and unpack to cache it", name)
+            continue
         digest = region_cache_hash(kind, name, policy, allow)
         if digest is None:
             log.debug("sac_compile: region %r: its policy %r has no stable identity (a "
@@ -102,6 +130,17 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
         module.meta["_checkpoint_context_fn"] = KeyedContextFn.of(context_fn, digest)
         annotated += 1
     return annotated
+
+
+def _has_unstable_hooks_tag(module: torch.fx.GraphModule) -> bool:
+    """A tag() marker in ``module``'s own graph whose SaveWithHooks string is a number that
+    means nothing in another process (:func:`.markers.is_stable_text`)."""
+    from .markers import TAG_OP, is_stable_text
+    for node in module.graph.find_nodes(op="call_function", target=TAG_OP):
+        text = node.args[1]
+        if isinstance(text, str) and not is_stable_text(text):
+            return True
+    return False
 
 
 class KeyedContextFn(functools.partial):
@@ -152,6 +191,11 @@ def _function_key(fn: Any) -> str | None:
             parts.append(f"{global_name}=[{', '.join(names)}]")
         elif isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             parts.append(f"{global_name}={value}")
+        elif isinstance(value, SaveWithHooks):  # the policy returns these hooks
+            hooks = hooks_key(value)
+            if hooks is None:
+                return None
+            parts.append(f"{global_name}={hooks}")
     return " ".join(parts)
 
 

@@ -39,9 +39,9 @@ import torch.fx as fx
 from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide, \
     resolve_decision
 from .costs import is_view
+from .markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from .roles import Role, node_role
-from .tagging import NAME_OP, TAG_OP, decode_opinion, marker_producer, reraise_compiled, \
-    write_decision
+from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
            "share_decisions_with_getitems", "propagate_to_decompositions",

@@ -32,7 +32,8 @@ import torch
 
 from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
-from .tagging import encode_opinion, name_op, region_contexts, tag_op, take_eager_entry
+from .markers import encode_opinion, name_op, tag_op
+from .tagging import region_contexts, take_eager_entry
 
 __all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
            "torch_sac_contexts", "context_fn_kind"]

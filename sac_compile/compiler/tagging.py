@@ -39,16 +39,16 @@ Who runs the region (:func:`region_contexts`, the ``context_fn`` of every region
   ``tag()``/``name()`` do.
 
 ``tag(t, opinion)`` and ``name(t, label)`` under compile become the identity marker ops
-``sac_compile::tag_marker`` / ``sac_compile::name_marker``; :mod:`.normalize` folds them into the
-decision of the producer and removes them from the graph. A marker traced inside a region
-carries ``node.meta["sac_marker_region"]`` = (outermost region call, innermost region name);
-one traced outside every region carries nothing and is a no-op, as in eager mode.
+``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (:mod:`.markers`, where a
+``SaveWithHooks`` opinion keeps its hooks); :mod:`.normalize` folds them into the decision
+of the producer and removes them from the graph. A marker traced inside a region carries
+``node.meta["sac_marker_region"]`` = (outermost region call, innermost region name); one
+traced outside every region carries nothing and is a no-op, as in eager mode.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 import sys
 import threading
 from typing import Any
@@ -59,12 +59,12 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..logs import warn_once_per_region
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
-                      Opinion, RegionFrame, SaveWithHooks, decide, foreign_tensor_message,
-                      warn_inert_policies)
+                      RegionFrame, decide, foreign_tensor_message, warn_inert_policies)
+from .markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from .roles import is_joint_graph
 
-__all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "tag_op", "name_op",
-           "CompiledCheckpointError", "encode_opinion", "decode_opinion", "META_KEYS"]
+__all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointError",
+           "META_KEYS"]
 
 META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_op", "sac_ask",
              "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
@@ -224,15 +224,6 @@ def _is_seeded(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def marker_producer(marker: torch.fx.Node) -> torch.fx.Node:
-    """The node whose decision a tag()/name() marker is about: through other markers
-    (``tag(name(y, ...), ...)``) and ``getitem`` to the op that produced the value."""
-    src = marker.args[0]
-    while src.target in _MARKER_OPS:
-        src = src.args[0]
-    return src.args[0] if src.target is operator.getitem else src
-
-
 def _check_marker(marker: torch.fx.Node) -> None:
     """Raise at the tag()/name() call, as eager does, what :mod:`.normalize` would raise
     for it later: a foreign tensor, or a conflict the tag or label creates. Raising here
@@ -324,7 +315,7 @@ class _EagerRegion:
 
     def __enter__(self) -> _EagerRegion:
         from .. import runtime
-        from ..runtime.replay import unpack
+        from ..runtime.replay import unpack_hook
         stack = contextlib.ExitStack()
         self._outer_entry = getattr(_state, "eager_entry", None)
         _state.eager_entry = self
@@ -333,8 +324,9 @@ class _EagerRegion:
             stack.enter_context(runtime.eager_region(self.frame, self.allow))
             recorder = runtime.active_recorder()
             if recorder is not None:
+                # The runtime's own hooks, as runtime.eager_region installs them.
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack,
-                                                                             unpack))
+                                                                             unpack_hook()))
         except BaseException:
             stack.close()
             raise
@@ -408,84 +400,5 @@ def _warn_foreign_partitioner(name: str) -> None:
         f"sac_compile.compiler.SACPartitioner())", stacklevel=3)
 
 
-
-# --------------------------------------------------------------------------------------
-# tag() and name() under compile: identity marker ops, folded away by normalize.
-# --------------------------------------------------------------------------------------
-
-def encode_opinion(opinion: Opinion) -> str:
-    if isinstance(opinion, SaveWithHooks):
-        # The hooks cannot be represented in a compiled graph; the value is saved.
-        return "SaveWithHooks"
-    return opinion.name
-
-
-def decode_opinion(text: str) -> Opinion:
-    if text == "SaveWithHooks":
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy[text]
-
-
-@torch.library.custom_op("sac_compile::tag_marker", mutates_args=())
-def tag_op(x: torch.Tensor, opinion: str) -> torch.Tensor:
-    """Identity; ``opinion`` is a CheckpointPolicy name for the op that produced ``x``."""
-    return x.clone()
-
-
-@tag_op.register_fake
-def _tag_fake(x: torch.Tensor, opinion: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-tag_op.register_autograd(lambda ctx, grad: (grad, None))
-
-
-@torch.library.custom_op("sac_compile::name_marker", mutates_args=())
-def name_op(x: torch.Tensor, label: str) -> torch.Tensor:
-    """Identity; labels the output of the op that produced ``x``."""
-    return x.clone()
-
-
-@name_op.register_fake
-def _name_fake(x: torch.Tensor, label: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-name_op.register_autograd(lambda ctx, grad: (grad, None))
-
 # What a tag() counts as for the inert-policy warning: an opinion from a tag.
 _TAG_DECISION = Decision(CheckpointPolicy.MUST_SAVE, source="tag")
-
-TAG_OP = torch.ops.sac_compile.tag_marker.default
-NAME_OP = torch.ops.sac_compile.name_marker.default
-_MARKER_OPS = frozenset({TAG_OP, NAME_OP})
-
-# ``tag(y, ...)`` whose result is unused is still an opinion on y's producer (eager applies
-# it): FX dead-code elimination (dynamo's, AOTAutograd's) must keep the marker. normalize
-# removes every marker before the cut, so nothing of it reaches the compiled code.
-for _op in (TAG_OP, NAME_OP, torch.ops.sac_compile.tag_marker, torch.ops.sac_compile.name_marker):
-    torch.fx.node.has_side_effect(_op)
-
-
-# When torch's checkpoint op runs eagerly (a backend without AOTAutograd), the markers in
-# dynamo's graph run under the eager runtime's recorder: apply them as eager tag()/name()
-# do (same opinions, same errors), then record the marker as the identity op it is.
-def _marker_under_recorder(what: str) -> Any:
-    def rule(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        from .. import regions
-        tensor, arg = args
-        if what == "tag":
-            regions.tag(tensor, decode_opinion(arg))
-        else:
-            regions.name(tensor, arg)
-        return mode.__torch_dispatch__(func, types, args, kwargs or {})
-    return rule
-
-
-def _register_marker_rules() -> None:
-    from ..runtime.record import RegionRecorder
-    tag_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("tag"))
-    name_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("name"))
-
-
-_register_marker_rules()

@@ -1,0 +1,192 @@
+"""``tag()`` and ``name()`` under compile: identity marker ops, folded away by :mod:`.normalize`.
+
+``tag(t, opinion)`` and ``name(t, label)`` while Dynamo traces become the identity ops
+``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (no graph break); the opinion
+travels as a string argument of the op (:func:`encode_opinion`), so it is part of Dynamo's
+graph, hence of AOTAutograd's cache key.
+
+A ``SaveWithHooks`` opinion cannot be a graph argument: it is registered here, for the
+process, and the string names it (``SaveWithHooks:<digest>`` when its ``pack`` and
+``unpack`` have a stable identity - module-level functions, or a ``cache_hash`` attribute,
+by the rules of :func:`.cache_keys.hooks_key` - else ``SaveWithHooks@<n>``, unique in the
+process). :func:`decode_opinion` gives the registered object back, so the decision of the
+tagged value carries the hooks exactly as a policy's ``SaveWithHooks`` does, and the
+storage pass traces them into the graphs. A region whose graph holds a tag with hooks of
+no stable identity bypasses AOTAutograd's cache (:func:`.cache_keys.annotate_regions`), as
+a region whose policy has none does.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import operator
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..policy import CheckpointError, CheckpointPolicy, Opinion, SaveWithHooks
+
+__all__ = ["encode_opinion", "decode_opinion", "tag_op", "name_op", "TAG_OP", "NAME_OP",
+           "MARKER_OPS", "marker_producer", "HOOKS_PREFIX", "register_hooks",
+           "hooks_of_text", "stable_hooks_text", "is_stable_text"]
+
+#: Every encoded ``SaveWithHooks`` starts with it.
+HOOKS_PREFIX = "SaveWithHooks"
+_STABLE = HOOKS_PREFIX + ":"    # + a digest of the hooks' stable identity
+_UNSTABLE = HOOKS_PREFIX + "@"  # + a number unique in the process
+
+_lock = threading.Lock()
+_hooks_by_text: dict[str, SaveWithHooks] = {}
+# (id(pack), id(unpack)) -> (hooks, text). Holds the functions, so their ids are never
+# reused while registered: one entry per distinct pair a tag() was traced with (per trace,
+# not per step).
+_text_by_ids: dict[tuple[int, int], tuple[SaveWithHooks, str]] = {}
+_numbers = itertools.count()
+
+
+def encode_opinion(opinion: Opinion) -> str:
+    """The marker's string for ``opinion``: a CheckpointPolicy's name, or the registered
+    name of a ``SaveWithHooks``."""
+    if isinstance(opinion, SaveWithHooks):
+        # Its functions, not the object: Dynamo cannot hand over a SaveWithHooks built in
+        # the traced code (``tag(h, SaveWithHooks(pack, unpack))``), but can its functions.
+        pack, unpack = opinion.pack, opinion.unpack
+        # Under Dynamo, id() guards each function that lives outside the traced code by
+        # identity (its own guard on a function checks only the code, the same for two
+        # closures over different dtypes): other hooks recompile, as another policy does.
+        _ = id(pack), id(unpack)
+        return _hooks_text(pack, unpack)
+    return opinion.name
+
+
+@torch.compiler.assume_constant_result
+def _hooks_text(pack: Any, unpack: Any) -> str:
+    # Run by Dynamo at trace time on the real functions: the result is a constant of the
+    # graph (Dynamo's assume_constant_result).
+    return register_hooks(SaveWithHooks(pack, unpack))
+
+
+def register_hooks(hooks: SaveWithHooks) -> str:
+    """Register ``hooks`` for :func:`decode_opinion`; returns the string that names it."""
+    ident = (id(hooks.pack), id(hooks.unpack))
+    with _lock:
+        known = _text_by_ids.get(ident)
+        if known is not None:
+            return known[1]
+        text = stable_hooks_text(hooks)
+        if text is None:
+            text = f"{_UNSTABLE}{next(_numbers)}"
+        # Equal stable texts: the same pack and unpack code, so either one serves.
+        _hooks_by_text.setdefault(text, hooks)
+        _text_by_ids[ident] = (hooks, text)
+        return text
+
+
+def stable_hooks_text(hooks: SaveWithHooks) -> str | None:
+    """``SaveWithHooks:<digest>`` of the hooks' identity in every process, or None."""
+    from .cache_keys import hooks_key
+    key = hooks_key(hooks)
+    if key is None:
+        return None
+    return f"{_STABLE}{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+
+def is_stable_text(text: str) -> bool:
+    """False for the string of a ``SaveWithHooks`` with no stable identity (its number means
+    nothing in another process): a graph holding it must not be served from a cache."""
+    return not text.startswith(_UNSTABLE)
+
+
+def hooks_of_text(text: str) -> SaveWithHooks:
+    hooks = _hooks_by_text.get(text)
+    if hooks is None:
+        raise CheckpointError(
+            f"tag(..., SaveWithHooks) under compile: the hooks {text!r} of a tag() in this "
+            f"graph are not registered in this process (the graph was traced in another "
+            f"one); compile the model again in this process (torch._dynamo.reset()), or "
+            f"return the SaveWithHooks from the region's policy")
+    return hooks
+
+
+def decode_opinion(text: str) -> Opinion:
+    if text.startswith(HOOKS_PREFIX):
+        return hooks_of_text(text)
+    return CheckpointPolicy[text]
+
+
+# --------------------------------------------------------------------------------------
+# The marker ops
+# --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("sac_compile::tag_marker", mutates_args=())
+def tag_op(x: torch.Tensor, opinion: str) -> torch.Tensor:
+    """Identity; ``opinion`` (:func:`encode_opinion`) is for the op that produced ``x``."""
+    return x.clone()
+
+
+@tag_op.register_fake
+def _tag_fake(x: torch.Tensor, opinion: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+tag_op.register_autograd(lambda ctx, grad: (grad, None))
+
+
+@torch.library.custom_op("sac_compile::name_marker", mutates_args=())
+def name_op(x: torch.Tensor, label: str) -> torch.Tensor:
+    """Identity; labels the output of the op that produced ``x``."""
+    return x.clone()
+
+
+@name_op.register_fake
+def _name_fake(x: torch.Tensor, label: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+name_op.register_autograd(lambda ctx, grad: (grad, None))
+
+TAG_OP = torch.ops.sac_compile.tag_marker.default
+NAME_OP = torch.ops.sac_compile.name_marker.default
+MARKER_OPS = frozenset({TAG_OP, NAME_OP})
+
+# ``tag(y, ...)`` whose result is unused is still an opinion on y's producer (eager applies
+# it): FX dead-code elimination (dynamo's, AOTAutograd's) must keep the marker. normalize
+# removes every marker before the cut, so nothing of it reaches the compiled code.
+for _op in (TAG_OP, NAME_OP, torch.ops.sac_compile.tag_marker, torch.ops.sac_compile.name_marker):
+    fx.node.has_side_effect(_op)
+
+
+def marker_producer(marker: fx.Node) -> fx.Node:
+    """The node whose decision a tag()/name() marker is about: through other markers
+    (``tag(name(y, ...), ...)``) and ``getitem`` to the op that produced the value."""
+    src = marker.args[0]
+    while src.target in MARKER_OPS:
+        src = src.args[0]
+    return src.args[0] if src.target is operator.getitem else src
+
+
+# When torch's checkpoint op runs eagerly (a backend without AOTAutograd), the markers in
+# dynamo's graph run under the eager runtime's recorder: apply them as eager tag()/name()
+# do (same opinions, same errors, the same hooks), then record the marker as the identity
+# op it is.
+def _marker_under_recorder(what: str) -> Any:
+    def rule(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from .. import regions
+        tensor, arg = args
+        if what == "tag":
+            regions.tag(tensor, decode_opinion(arg))
+        else:
+            regions.name(tensor, arg)
+        return mode.__torch_dispatch__(func, types, args, kwargs or {})
+    return rule
+
+
+def _register_marker_rules() -> None:
+    from ..runtime.record import RegionRecorder
+    tag_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("tag"))
+    name_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("name"))
+
+
+_register_marker_rules()
