@@ -49,6 +49,7 @@ class SavedTensorRecord:
     reason: str
     is_input: bool = False
     region: str = ""  # the innermost region that decided it; "" outside every region
+    on_host: bool = False  # offloaded: kept in host memory, not on the device
 
 
 @dataclasses.dataclass
@@ -91,13 +92,21 @@ class PartitionReport:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes of saved activations and non-parameter inputs (parameters cost nothing)."""
-        return sum(r.nbytes for r in self.saved if not r.reason.startswith("parameter"))
+        """Device bytes of saved activations and non-parameter inputs (parameters cost
+        nothing; offloaded values are in :attr:`offloaded_bytes`)."""
+        return sum(r.nbytes for r in self.saved
+                   if not r.reason.startswith("parameter") and not r.on_host)
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of saved values that are not graph inputs: what a memory budget caps."""
-        return sum(r.nbytes for r in self.saved if not r.is_input)
+        """Device bytes of saved values that are not graph inputs: what a memory budget
+        caps."""
+        return sum(r.nbytes for r in self.saved if not r.is_input and not r.on_host)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of saved values kept in host memory (CPU offload) until the backward."""
+        return sum(r.nbytes for r in self.saved if r.on_host)
 
     def _budget_line(self) -> str:
         b = self.memory_budget

@@ -95,8 +95,9 @@ def test_the_same_values_are_packed_in_both_modes():
     out = fw.graph.find_nodes(op="output")[0].args[0]
     packs = [n for n in out if isinstance(n, torch.fx.Node) and n.name.startswith("sac_pack_")]
     unpacks = [n for n in bw.graph.nodes if n.name.startswith("sac_unpack_")]
-    assert len(eager.packed) == len(compiled.packed) == len(packs) == len(unpacks) == 4
-    assert sorted(eager.packed, key=str) == sorted(compiled.packed, key=str)
+    assert len(eager.packed) == len(packs) == len(unpacks) == 4
+    # pack is traced once per value layout (its Python runs once per layout, per split)
+    assert sorted(set(eager.packed), key=str) == sorted(compiled.packed, key=str)
     assert all(n.meta["val"].dtype == torch.bfloat16 for n in packs)
     # pack after the value's last forward use; unpack before its first backward use
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
@@ -127,8 +128,11 @@ def test_gradients_agree_with_eager_hooks_and_report_packed_bytes():
     (report,) = reports
     packed = [r for r in report.saved if "packed by SaveWithHooks(to_bf16, from_bf16)" in r.reason]
     assert len(packed) == 4
-    assert any(r.reason.startswith("SaveWithHooks by policy in region 'MLPBlock'") for r in packed)
-    assert any(r.reason.startswith("stands in for addmm_1") for r in packed)
+    # The cut costs a hooked value at its packed bytes: it keeps the four decided matmul
+    # outputs themselves (before that cost it kept a later value of addmm_1's size in its place)
+    assert all(r.reason.startswith("SaveWithHooks by policy in region 'MLPBlock'")
+               for r in packed)
+    assert sorted(r.name for r in packed) == ["addmm", "addmm_1", "addmm_2", "addmm_3"]
     # the report's bytes are the packed bytes: half of fp32
     assert "(1 KiB -> 512 B)" in packed[0].reason and packed[0].nbytes == 512
     assert any("SaveWithHooks: 4 values packed in the compiled graphs, 2.5 KiB -> 1.2 KiB" in n

@@ -18,6 +18,7 @@ Modules, one concern each:
 """
 from . import regions_compiled  # noqa: F401  (quiets torch's context_fn warning for our regions)
 from .backend import make_backend, sac_backend
+from .network import CostModel
 from .partition import SACPartitioner
 
-__all__ = ["SACPartitioner", "make_backend", "sac_backend"]
+__all__ = ["CostModel", "SACPartitioner", "make_backend", "sac_backend"]

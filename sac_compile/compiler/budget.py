@@ -10,14 +10,16 @@ What a budget is - one meaning in Python and on the command line (:func:`check_b
 
 The search
 ----------
-``B`` = the budget above, per forward/backward split. Activation bytes ``A(cut)`` are the saved
-bytes of non-input values (inputs and parameters are excluded: they are alive anyway). With
-``K(cut)`` = kept input bytes + recompute cost (the rest of :mod:`.network`'s objective), each solve
-minimises the Lagrangian::
+``B`` = the budget above, per forward/backward split. Activation bytes ``A(cut)`` are the
+*device* bytes of the kept non-input values (inputs and parameters are excluded: they are
+alive anyway; a value kept on the host takes none; a ``SaveWithHooks`` value takes its
+packed bytes). With ``K(cut)`` = kept input bytes + recompute cost + offload cost (the rest
+of :mod:`.network`'s objective), each solve minimises the Lagrangian::
 
     A(cut)  +  w * K(cut),        0 < w <= 1
 
-``w = 1`` is the unconstrained cut. Lowering ``w`` makes recomputing (and keeping inputs)
+so a budget is met by recomputing or by offloading, whichever costs less per byte freed.
+``w = 1`` is the unconstrained cut. Lowering ``w`` makes recomputing, offloading (and keeping inputs)
 cheaper than keeping activations; ``A`` of an optimal cut is monotone in ``w`` (if ``w1 < w2``
 then ``A1 <= A2``). :func:`solve_with_budget` solves ``w = 1`` (done when ``A <= B``), then
 ``w_min`` (``w_min * K`` below one byte: the least ``A`` reachable; above ``B`` ->
@@ -60,6 +62,7 @@ class BudgetResult:
     evicted: list[fx.Node]               # saved without the budget, not with it
     solves: int
     seconds: float
+    offloaded: list[fx.Node] = dataclasses.field(default_factory=list)  # kept on the host
 
 
 def budget_label(budget: float | int) -> str:
@@ -134,7 +137,7 @@ def parse_budget_text(text: str, *, what: str = "memory_budget") -> float | int:
 
 def _is_activation(net: FlowNetwork, i: int) -> bool:
     v = net.cls.nodes[i]
-    return v.op != "placeholder" and net.save_cost[i] != INF
+    return v.op != "placeholder" and (net.save_cost[i] != INF or net.offload_cost[i] != INF)
 
 
 # Identical blocks would all switch at the same ``w`` (the budget then met with much room to
@@ -142,28 +145,11 @@ def _is_activation(net: FlowNetwork, i: int) -> bool:
 TILT = 0.05
 
 
-def _weighted_edges(net: FlowNetwork, w: float) -> list[tuple[int, int, float]]:
-    """``net.edges`` with every finite capacity except activation bytes scaled by ``w``
-    (recompute costs also tilted by graph order, see ``TILT``)."""
-    out = []
-    src = net.source
-    n = max(len(net.cls.nodes), 1)
-    for u, v, c in net.edges:
-        if c == INF or c == 0:
-            out.append((u, v, c))
-        elif u == src:
-            out.append((u, v, c * w * (1.0 - TILT * (v // 2) / n)))
-        elif (v == u + 1 and u % 2 == 0 and u < src
-              and net.cls.nodes[u // 2].op == "placeholder"):
-            out.append((u, v, c * w))
-        else:
-            out.append((u, v, c))
-    return out
-
-
-def _activation_bytes(net: FlowNetwork, saved: list[fx.Node]) -> int:
+def _activation_bytes(net: FlowNetwork, saved: list[fx.Node], w: float = 1.0) -> int:
+    """Device bytes of the kept activations (an offloaded value takes none)."""
     idx = net.cls.index
-    return int(sum(net.save_cost[idx[v]] for v in saved if _is_activation(net, idx[v])))
+    acts = [v for v in saved if _is_activation(net, idx[v])]
+    return int(sum(net.device_bytes(acts, w)))
 
 
 def solve_with_budget(net: FlowNetwork, budget: float | int,
@@ -176,8 +162,8 @@ def solve_with_budget(net: FlowNetwork, budget: float | int,
     def at(w: float) -> tuple[list[fx.Node], int]:
         nonlocal solves
         solves += 1
-        saved, _ = solve(net, solver, edges=None if w == 1.0 else _weighted_edges(net, w))
-        return saved, _activation_bytes(net, saved)
+        saved, _ = solve(net, solver, edges=None if w == 1.0 else net.capacities(w, TILT))
+        return saved, _activation_bytes(net, saved, w)
 
     base, base_bytes = at(1.0)
     cap = budget * base_bytes if isinstance(budget, float) else float(budget)
@@ -186,14 +172,15 @@ def solve_with_budget(net: FlowNetwork, budget: float | int,
         kept = set(saved)
         evicted = [v for v in base if v not in kept and _is_activation(net, net.cls.index[v])]
         return BudgetResult(saved, budget, cap, nbytes, base_bytes, min_bytes, w, evicted,
-                            solves, time.perf_counter() - t0)
+                            solves, time.perf_counter() - t0, net.offloaded(saved, w))
 
     if base_bytes <= cap:
         return result(base, base_bytes, 1.0, base_bytes)
     # Everything but activation bytes together worth less than one byte at w_min.
-    other = sum(c for u, v, c in net.edges if c not in (0, INF) and (
-        u == net.source or (v == u + 1 and u % 2 == 0 and u < net.source
-                            and net.cls.nodes[u // 2].op == "placeholder")))
+    other = sum(c for i, v in enumerate(net.cls.nodes)
+                for c in (net.recompute_cost[i], net.offload_cost[i],
+                          net.save_cost[i] if v.op == "placeholder" else 0.0)
+                if c not in (0, INF))
     w_min = min(0.5 / other, 1e-3) if other > 0 else 1e-3
     low, low_bytes = at(w_min)
     if low_bytes > cap:

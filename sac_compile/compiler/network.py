@@ -6,8 +6,11 @@ Every forward-side node ``v`` (inputs, forward ops, and ops that only feed backw
 need no tangent) becomes two vertices ``v_in -> v_out``. After the cut, the source side
 ``S`` is what the forward computes; the sink side ``T`` is what the backward must have.
 
-* ``v_in -> v_out``, capacity ``save(v)``: cut when ``v`` is computed in forward and needed
-  in backward, i.e. **saved**. ``save(v)`` = bytes of ``v``'s output (0 for parameters).
+* ``v_in -> v_out``, capacity ``keep(v) = min(save(v), offload(v))``: cut when ``v`` is
+  computed in forward and needed in backward, i.e. **kept**: on the device (``save(v)`` =
+  its bytes, or its packed bytes under ``SaveWithHooks``; 0 for parameters) or on the host
+  (``offload(v)`` = ``w * bytes * device_bw / host_bw``: its transfer time, in the units of
+  the recompute cost; no device memory). A kept value is offloaded when that is cheaper.
 * ``source -> v_in``, capacity ``recompute(v)``: cut when ``v_in`` is on the sink side, i.e.
   ``v`` is **recomputed** in backward.
 * ``u_out -> v_in`` (infinite) for each data edge: what ``v`` needs must be there too.
@@ -15,21 +18,31 @@ need no tangent) becomes two vertices ``v_in -> v_out``. After the cut, the sour
 
 The cut minimises::
 
-    saved bytes  +  sum over recomputed v of  w * (FLOPs(v) / flops_per_byte + traffic(v))
+    device bytes kept  +  sum over offloaded v of offload(v)
+                       +  sum over recomputed v of  w * (FLOPs(v) / flops_per_byte + traffic(v))
 
 FLOPs by ``torch.utils.flop_counter`` rules, ``traffic`` = bytes read + written (for ops
 without a FLOP formula this is the whole cost), ``w = recompute_weight``. Decisions enter as:
 
-===================  ===============================  =========================
-decision             ``save(v)``                      ``recompute(v)``
-===================  ===============================  =========================
-MUST_SAVE / offload  bytes                            infinite (hard)
-MUST_RECOMPUTE       infinite (hard)                  discount * cost
-PREFER_RECOMPUTE     bytes                            discount * cost
-PREFER_SAVE          bytes                            cost
-untagged             bytes                            cost, or infinite where
-                                                      upstream bans recompute
-===================  ===============================  =========================
+=================  =====================  ===================  =======================
+decision           ``save(v)``            ``offload(v)``       ``recompute(v)``
+=================  =====================  ===================  =======================
+MUST_SAVE          bytes (packed: hooks)  infinite             infinite (hard)
+MUST_CPU_OFFLOAD   infinite (a)           transfer             infinite (hard)
+PREFER_CPU_OFFL.   infinite (a)           transfer             cost
+MUST_RECOMPUTE     infinite (hard)        infinite             discount * cost
+PREFER_RECOMPUTE   bytes                  transfer             discount * cost
+PREFER_SAVE        bytes                  transfer             cost
+untagged           bytes                  transfer             cost, or infinite where
+                                                               upstream bans recompute
+=================  =====================  ===================  =======================
+
+(a) bytes where the value cannot leave the device (on the CPU already, a view, a getitem,
+non-contiguous, a forward output: torch's offload pass refuses those). ``offload`` is
+infinite for those values too, for hooked values, and for unmarked values when
+``CostModel.offload_unmarked`` is False. With the default bandwidths a transfer costs 20x the bytes:
+an unmarked value is offloaded only under a memory budget (:mod:`.budget`), where kept
+device bytes are what is capped.
 
 ``discount`` (default 0.01) makes PREFER_RECOMPUTE cheap to honour: the solver saves such
 a node only when that saves bytes (its recompute would need a larger input kept). A
@@ -70,10 +83,22 @@ class CostModel:
     recompute_weight: float = 0.25
     flops_per_byte: float = 8.0
     prefer_recompute_discount: float = 0.01
+    # Offload: a byte moved to the host and back costs its transfer time, in units of a
+    # byte of device-memory traffic (the recompute cost's unit): device_bw / host_bw.
+    # Defaults: ~2 TB/s HBM, ~25 GB/s effective PCIe (each way).
+    device_memory_bandwidth: float = 2e12
+    host_device_bandwidth: float = 25e9
+    # False: only values the policy marks *_CPU_OFFLOAD may leave the device (as in eager
+    # mode); True: a memory budget may also offload others, when cheaper than recomputing.
+    offload_unmarked: bool = True
 
     def recompute_cost(self, node: fx.Node) -> float:
         return self.recompute_weight * (costs.flops(node) / self.flops_per_byte
                                         + costs.traffic(node))
+
+    def offload_cost(self, nbytes: float) -> float:
+        return self.recompute_weight * nbytes * (self.device_memory_bandwidth
+                                                 / self.host_device_bandwidth)
 
 
 @dataclasses.dataclass
@@ -130,8 +155,9 @@ class FlowNetwork:
     """Vertices ``2i`` (in) and ``2i+1`` (out) for ``nodes[i]``; then source, sink."""
 
     cls: Classification
-    edges: list[tuple[int, int, float]]
-    save_cost: list[float]
+    structure: list[tuple[int, int]]    # the infinite edges (data edges, backward uses)
+    save_cost: list[float]              # device bytes to keep v (INF: not on the device)
+    offload_cost: list[float]           # cost of keeping v on the host (INF: cannot)
     recompute_cost: list[float]
     ban_reason: dict[fx.Node, Reason]   # why a node cannot be recomputed (infinite edge)
 
@@ -142,6 +168,40 @@ class FlowNetwork:
     @property
     def sink(self) -> int:
         return 2 * len(self.cls.nodes) + 1
+
+    @property
+    def edges(self) -> list[tuple[int, int, float]]:
+        return self.capacities()
+
+    def capacities(self, w: float = 1.0, tilt: float = 0.0) -> list[tuple[int, int, float]]:
+        """The edges with capacities for the Lagrangian weight ``w`` (:mod:`.budget`):
+        device bytes of activations as they are; recompute, offload and keeping inputs
+        scaled by ``w``; recompute costs tilted down by up to ``tilt`` in graph order."""
+        edges: list[tuple[int, int, float]] = [(u, v, INF) for u, v in self.structure]
+        n = max(len(self.cls.nodes), 1)
+        src = self.source
+        for i, node in enumerate(self.cls.nodes):
+            save = self.save_cost[i]
+            if node.op == "placeholder":
+                save *= w
+            keep = min(save, w * self.offload_cost[i])
+            edges.append((2 * i, 2 * i + 1, keep))
+            rec = self.recompute_cost[i]
+            if rec > 0:
+                edges.append((src, 2 * i, rec if w == 1.0 else rec * w * (1 - tilt * i / n)))
+        return edges
+
+    def offloaded(self, kept: list[fx.Node], w: float = 1.0) -> list[fx.Node]:
+        """Those of the kept values that the cut keeps on the host (cheaper than the
+        device at weight ``w``)."""
+        idx = self.cls.index
+        return [v for v in kept if w * self.offload_cost[idx[v]] < self.save_cost[idx[v]]]
+
+    def device_bytes(self, kept: list[fx.Node], w: float = 1.0) -> list[float]:
+        """Device bytes of each kept value (0 for an offloaded one)."""
+        idx = self.cls.index
+        host = set(self.offloaded(kept, w))
+        return [0.0 if v in host else self.save_cost[idx[v]] for v in kept]
 
 
 def _upstream_ban(node: fx.Node, op_types: Any) -> Reason | None:
@@ -174,15 +234,34 @@ def _effectful_reason(node: fx.Node) -> Reason | None:
     return None
 
 
+def can_leave_device(v: fx.Node, forward_outputs: set[fx.Node]) -> bool:
+    """What torch's offload pass accepts (its ``can_offload``), decided before the cut: a
+    contiguous tensor computed on an accelerator, not a view or one output of a
+    multi-output op, not an output of the compiled graph."""
+    val = v.meta.get("val")
+    return (v.op == "call_function" and isinstance(val, torch.Tensor)
+            and val.device.type != "cpu" and not costs.is_view(v)
+            and v.target is not operator.getitem and v not in forward_outputs
+            and bool(val.is_contiguous()))
+
+
 def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel, *,
-                       static_inputs: set[fx.Node], rng_functionalized: bool) -> FlowNetwork:
+                       static_inputs: set[fx.Node], rng_functionalized: bool,
+                       packed_bytes: dict[fx.Node, int] | None = None,
+                       can_offload: bool = True) -> FlowNetwork:
+    """``packed_bytes``: the packed size of values saved with ``SaveWithHooks``
+    (:func:`.storage.packed_sizes`); their device bytes. ``can_offload``: False where
+    torch has no offload pass (every value stays on the device)."""
     from torch._functorch.partitioners import _must_be_in_forward, get_default_op_list
 
     op_types = get_default_op_list()
     index = cls.index
-    source, sink = 2 * len(cls.nodes), 2 * len(cls.nodes) + 1
-    edges: list[tuple[int, int, float]] = []
+    sink = 2 * len(cls.nodes) + 1
+    packed_bytes = packed_bytes or {}
+    fwd_outputs = {o for o in cls.fwd_outputs if isinstance(o, fx.Node)}
+    structure: list[tuple[int, int]] = []
     save_cost: list[float] = []
+    offload_cost: list[float] = []
     recompute_cost: list[float] = []
     bans: dict[fx.Node, Reason] = {}
     for i, v in enumerate(cls.nodes):
@@ -194,6 +273,8 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             save = INF
         elif v in static_inputs:
             save = 0.0
+        elif v in packed_bytes:
+            save = float(packed_bytes[v])
         elif isinstance(val, torch.Tensor) or costs.is_sym(v):
             save = float(costs.nbytes(v))
         elif costs.is_opaque(v):
@@ -226,16 +307,23 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             rec = cost.recompute_cost(v)
             if policy in (P.PREFER_RECOMPUTE, P.MUST_RECOMPUTE):
                 rec *= cost.prefer_recompute_discount
+        # -- keeping v on the host
+        offload = INF
+        marked = dec is not None and dec.offloads
+        if can_offload and (marked or cost.offload_unmarked) and save != INF and v not in static_inputs and \
+                (dec is None or (dec.hooks is None and policy is not P.MUST_SAVE)) and \
+                can_leave_device(v, fwd_outputs):
+            offload = cost.offload_cost(costs.nbytes(v))
+            if marked:
+                save = INF  # the policy asked for the host: the device is no option
         save_cost.append(save)
+        offload_cost.append(offload)
         recompute_cost.append(rec)
-        vin, vout = 2 * i, 2 * i + 1
-        edges.append((vin, vout, save))
-        if rec > 0:
-            edges.append((source, vin, rec))
+        vout = 2 * i + 1
         for u in v.users:
             j = index.get(u)
             if j is not None:
-                edges.append((vout, 2 * j, INF))
+                structure.append((vout, 2 * j))
         if v in cls.needed_in_bw:
-            edges.append((vout, sink, INF))
-    return FlowNetwork(cls, edges, save_cost, recompute_cost, bans)
+            structure.append((vout, sink))
+    return FlowNetwork(cls, structure, save_cost, offload_cost, recompute_cost, bans)

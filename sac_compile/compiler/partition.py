@@ -142,6 +142,7 @@ class SACPartitioner(CustomPartitionerFn):
         counts = normalize_tags(gm)
         lap("normalize")
         report = PartitionReport(mode="compile", solver=self.solver)
+        static = static_inputs(gm.graph, static_idx)
         tagged = any("sac_decision" in n.meta for n in gm.graph.nodes)
         if not tagged and self.delegate_untagged:
             from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -154,16 +155,21 @@ class SACPartitioner(CustomPartitionerFn):
                           and n.name in fw_ops and n.target is not operator.getitem
                           and not costs.is_sym(n)]
             saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
-            self._finish(report, gm, fw, bw, saved_names, recomputed, timings)
+            self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
             return fw, bw
 
-        static = static_inputs(gm.graph, static_idx)
+        from .storage import packed_sizes
         cls = classify(gm, num_fwd_outputs)
         net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
-                                 rng_functionalized=True)
+                                 rng_functionalized=True, packed_bytes=packed_sizes(gm),
+                                 can_offload=_offload_pass_available(gm))
         lap("network")
+        host, host_reason = [], ""
         if self.memory_budget is None:
             saved, _ = solve(net, self.solver)
+            host = [v for v in net.offloaded(saved) if not _marked_offload(v)]
+            host_reason = "kept on the host by the cut: transferring it costs less than " \
+                          "keeping it on the device or recomputing it"
         else:
             res = solve_with_budget(net, self.memory_budget, self.solver)
             saved = res.saved
@@ -185,10 +191,14 @@ class SACPartitioner(CustomPartitionerFn):
                            f"{what} overridden by memory budget {label}: recomputed in "
                            f"backward (saving it would exceed {fmt_bytes(res.budget_bytes)})"),
                     region=_region(v)))
+            host = [v for v in res.offloaded if not _marked_offload(v)]
+            host_reason = (f"offloaded to meet memory budget {label}: transferring it costs "
+                           f"less than recomputing it")
         lap("solve")
         from .storage import extract_with_storage  # + CPU offload and SaveWithHooks
         fw, bw, saved_names, recomputed = extract_with_storage(
-            self._extract, gm, saved, static, num_fwd_outputs, lap)
+            self._extract, gm, saved, static, num_fwd_outputs, lap, host=host,
+            host_reason=host_reason)
         if counts.get("fold_markers"):
             report.notes.append(f"{counts['fold_markers']} tag()/name() markers folded")
         self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
@@ -261,6 +271,26 @@ class SACPartitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(report)
         partition_log.debug("%s", report)
+
+
+def _marked_offload(node: fx.Node) -> bool:
+    dec = node.meta.get("sac_decision")
+    return dec is not None and dec.offloads
+
+
+def _offload_pass_available(gm: fx.GraphModule) -> bool:
+    """Whether values of this graph can leave the device: some are on an accelerator, and
+    this torch has the offload pass (without it, MUST_CPU_OFFLOAD is an error and the rest
+    stays on the device: see :mod:`.storage`)."""
+    if not any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type
+               != "cpu" for n in gm.graph.nodes):
+        return False
+    from .offload import TorchAPIMissing, torch_api
+    try:
+        torch_api()
+    except TorchAPIMissing:
+        return False
+    return True
 
 
 def _is_opaque_object(node: fx.Node) -> bool:

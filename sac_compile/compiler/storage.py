@@ -31,7 +31,8 @@ from ..policy import CheckpointPolicy, Decision
 from ..report import fmt_bytes
 from . import costs
 
-__all__ = ["extract_with_storage", "annotate_report", "StorageNote", "code_files"]
+__all__ = ["extract_with_storage", "annotate_report", "StorageNote", "code_files",
+           "packed_sizes"]
 
 P = CheckpointPolicy
 NOTE_KEY = "sac_storage"
@@ -136,18 +137,61 @@ def _carries(d: fx.Node, s: fx.Node, dec: Decision) -> bool:
 
 def extract_with_storage(extract: Callable[..., Any], gm: fx.GraphModule, saved: list[fx.Node],
                          static: set[fx.Node], num_fwd_outputs: int,
-                         lap: Callable[[str], None]) -> Any:
-    """``extract(gm, saved, static, num_fwd_outputs, lap)`` with offload and hooks applied."""
+                         lap: Callable[[str], None], *, host: list[fx.Node] = (),
+                         host_reason: str = "") -> Any:
+    """``extract(gm, saved, static, num_fwd_outputs, lap)`` with offload and hooks applied.
+    ``host``: saved values the cut keeps on the host though the policy did not ask for it
+    (a memory budget met by offloading); ``host_reason`` says why, for the report."""
     saved = _save_bases_of_views(gm, saved)
     fw, bw, saved_names, recomputed = extract(gm, saved, static, num_fwd_outputs, lap)
-    if any(_storage_decision(n) is not None for n in gm.graph.nodes):
-        _apply(gm, fw, bw, saved_names, {n.name for n in static}, num_fwd_outputs)
+    host_names = {n.name for n in host}
+    if host_names or any(_storage_decision(n) is not None for n in gm.graph.nodes):
+        _apply(gm, fw, bw, saved_names, {n.name for n in static}, num_fwd_outputs,
+               host_names, host_reason)
         lap("storage")
+    gm.meta.pop(TRACED_KEY, None)
     return fw, bw, saved_names, recomputed
 
 
+TRACED_KEY = "sac_traced_hooks"
+
+
+def _traced_hooks(gm: fx.GraphModule, hooks: Any, val: torch.Tensor) -> Any:
+    """``trace_hooks(hooks, val)``, once per hooks and value layout in this graph (the
+    hooks' Python side effects run once per split, as documented)."""
+    from .save_hooks import trace_hooks
+    cache = gm.meta.setdefault(TRACED_KEY, {})
+    key = (id(hooks), tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+    if key not in cache:
+        try:
+            cache[key] = trace_hooks(hooks, val)
+        except Exception as e:  # kept and raised where the hooks are applied
+            cache[key] = e
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+def packed_sizes(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """The packed bytes of each value saved with ``SaveWithHooks`` (the hooks traced on its
+    fake value), for the cut's save cost; hooks that cannot be traced are left out (their
+    error comes when they are applied)."""
+    gm.meta.pop(TRACED_KEY, None)
+    sizes: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        dec = _storage_decision(node)
+        if dec is None or dec.hooks is None or not _is_tensor(node):
+            continue
+        try:
+            sizes[node] = _traced_hooks(gm, dec.hooks, node.meta["val"]).packed_bytes
+        except Exception:
+            continue
+    return sizes
+
+
 def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_names: list[str],
-           static_names: set[str], num_fwd_outputs: int) -> None:
+           static_names: set[str], num_fwd_outputs: int, host: set[str] = frozenset(),
+           host_reason: str = "") -> None:
     joint = {n.name: n for n in gm.graph.nodes}
     in_bw = {n.name for n in bw.graph.nodes}
     kept = [name for name in saved_names if name in joint and _is_tensor(joint[name])
@@ -171,7 +215,8 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
             unkept.append(d)
     summary: dict[str, Any] = {"unkept": [f"{d.name} ({_decision_label(d)})" for d in unkept]}
     gm.meta[SUMMARY_KEY] = summary
-    if not items:
+    cut_offloads = [name for name in kept if name in host and name not in items]
+    if not items and not cut_offloads:
         return
 
     notes: dict[str, StorageNote] = {}
@@ -181,6 +226,22 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
     fwd_outs = list(fw.graph.find_nodes(op="output")[0].args[0])
     static_fw = {n for n in fw.graph.find_nodes(op="placeholder") if n.name in static_names}
     for name in kept:
+        if name in cut_offloads:
+            # Chosen by the cut (network.can_leave_device checked what torch's pass checks).
+            from .offload import TorchAPIMissing, refusal
+            try:
+                why = refusal(fw_nodes[name], fwd_outs, num_fwd_outputs, static_fw)
+            except TorchAPIMissing as e:
+                why = str(e)
+            if why is not None:
+                notes[name] = StorageNote("device", f"{host_reason}; kept on the device after "
+                                                    f"all: {why}")
+                continue
+            to_offload.append(name)
+            notes[name] = StorageNote("offload", f"{host_reason}: offloaded to the CPU after "
+                                                 f"its last forward use, reloaded before its "
+                                                 f"first backward use")
+            continue
         if name not in items:
             continue
         dec, d = items[name]
@@ -192,9 +253,9 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
                       f"keeps this later value of {fmt_bytes(costs.nbytes(s))} in its place)")
         if dec.hooks is not None:
             from .offload import TorchAPIMissing
-            from .save_hooks import UntraceableHooks, trace_hooks
+            from .save_hooks import UntraceableHooks
             try:
-                traced = trace_hooks(dec.hooks, val)
+                traced = _traced_hooks(gm, dec.hooks, val)
             except (UntraceableHooks, TorchAPIMissing) as e:
                 raise _error(_hooks_error(d, s, dec, str(e))) from None
             hooks_traced[name] = traced
@@ -285,7 +346,8 @@ def annotate_report(report: Any, gm: fx.GraphModule) -> None:
         kind = getattr(r.reason, "kind", None)  # a Reason keeps its kind, with the new text
         text = note.reason if kind is None else type(r.reason)(kind, note.reason)
         report.saved[i] = dataclasses.replace(
-            r, reason=text, nbytes=r.nbytes if note.nbytes is None else note.nbytes)
+            r, reason=text, nbytes=r.nbytes if note.nbytes is None else note.nbytes,
+            on_host=note.kind == "offload")
     summary = gm.meta.get(SUMMARY_KEY) or {}
     if "offload" in counts:
         opts = summary.get("offload_options", {})

@@ -1,0 +1,128 @@
+"""The cut's three options per value (issue 12): keep on the device, offload to the host,
+recompute. A memory budget counts device bytes only, so it can be met by offloading as well
+as by recomputing, whichever costs less per byte freed.
+
+Graph-level tests on the "meta" device (a non-CPU device without hardware), as in
+tests/test_compile_offload.py: the split graphs and the report are captured at compile time.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sac_compile import CheckpointPolicy as CP, sac_region
+from sac_compile.compiler import CostModel
+from test_compile_offload import _compile_and_run_on_meta, _ops, capturing_backend
+
+pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    ops = pytest.importorskip("torch._functorch._activation_offloading.offload_ops")
+    for clear in (ops._transfer_streams.clear, ops._clear_wait_registry, ops._pool_clear):
+        clear()
+    torch._dynamo.reset()
+    yield
+
+
+def prefer_save_matmuls(ctx, op, *args, **kwargs):
+    return CP.PREFER_SAVE if op in (aten.mm.default, aten.addmm.default) else \
+        CP.PREFER_RECOMPUTE
+
+
+def _wide_block(policy):
+    """Two matmuls with a wide inner dimension: recomputing one (2 * 8192 FLOPs per output
+    element) costs far more than moving its output to the host and back; the pointwise
+    ops are cheap to recompute."""
+    @sac_region(policy, name="Wide")
+    def block(x, w1, w2):
+        h = torch.relu(x @ w1)
+        return (h.sin() @ w2).cos().sum()
+
+    args = (torch.randn(16, 8192, device="meta", requires_grad=True),
+            torch.randn(8192, 8192, device="meta", requires_grad=True),
+            torch.randn(8192, 8192, device="meta", requires_grad=True))
+    return block, args
+
+
+def _split(policy, **options):
+    block, args = _wide_block(policy)
+    backend, cap = capturing_backend(**options)
+    _compile_and_run_on_meta(block, backend, *args)
+    return cap
+
+
+def _offloaded_ops(cap):
+    return sorted(str(n.args[0].target) for n in _ops(cap.fw, "offload"))
+
+
+def test_without_a_budget_nothing_unmarked_leaves_the_device():
+    cap = _split(prefer_save_matmuls)
+    assert _offloaded_ops(cap) == []
+    assert cap.report.offloaded_bytes == 0
+    assert cap.report.activation_bytes > 0
+
+
+def test_a_budget_is_met_by_offloading_the_matmuls_and_recomputing_the_pointwise_ops():
+    full = _split(prefer_save_matmuls)
+    cap = _split(prefer_save_matmuls, memory_budget=0.3)
+    r = cap.report
+    assert r.activation_bytes <= r.budget_bytes < full.report.activation_bytes
+    # a matmul's output costs less to move (its bytes over the host bandwidth) than to
+    # recompute; a pointwise op costs less to recompute (sin, from relu's output)
+    offloaded = _offloaded_ops(cap)
+    assert "aten.mm.default" in offloaded and "aten.sin.default" not in offloaded
+    assert "aten.mm.default" not in r.recomputed and "aten.sin.default" in r.recomputed
+    assert r.offloaded_bytes == len(offloaded) * 16 * 8192 * 4
+    rows = [s for s in r.saved if s.on_host]
+    assert len(rows) == len(offloaded)
+    assert all("offloaded to meet memory budget 30%" in row.reason for row in rows)
+    assert len(_ops(cap.bw, "reload")) == len(offloaded)  # they come back for the backward
+
+
+def test_with_offload_of_unmarked_values_off_the_budget_recomputes_instead():
+    cap = _split(prefer_save_matmuls, memory_budget=0.3,
+                 cost_model=CostModel(offload_unmarked=False))
+    assert _offloaded_ops(cap) == []
+    assert cap.report.offloaded_bytes == 0
+    assert cap.report.activation_bytes <= cap.report.budget_bytes
+    assert cap.report.recompute_flops >= 2 * 16 * 8192 * 8192  # a matmul is recomputed
+
+
+def test_a_slow_host_link_makes_recomputing_cheaper_than_offloading():
+    cap = _split(prefer_save_matmuls, memory_budget=0.3,
+                 cost_model=CostModel(host_device_bandwidth=1e8))
+    assert _offloaded_ops(cap) == []
+    assert cap.report.recompute_flops >= 2 * 16 * 8192 * 8192
+
+
+def test_prefer_cpu_offload_is_a_cost_must_cpu_offload_is_not():
+    """PREFER_CPU_OFFLOAD on a cheap pointwise op: the cut recomputes it (cheaper than a
+    transfer); MUST_CPU_OFFLOAD on it: offloaded whatever it costs."""
+    def offload_sin(kind):
+        def policy(ctx, op, *args, **kwargs):
+            if op is aten.sin.default:
+                return kind
+            return prefer_save_matmuls(ctx, op, *args, **kwargs)
+        return policy
+
+    prefer = _split(offload_sin(CP.PREFER_CPU_OFFLOAD))
+    assert "aten.sin.default" not in _offloaded_ops(prefer)
+    assert "aten.sin.default" in prefer.report.recomputed
+    must = _split(offload_sin(CP.MUST_CPU_OFFLOAD))
+    assert "aten.sin.default" in _offloaded_ops(must)
+    assert "aten.sin.default" not in must.report.recomputed
+
+
+def test_must_save_never_leaves_the_device_nor_is_recomputed_under_a_budget():
+    def must_save_matmuls(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op is aten.mm.default else CP.PREFER_RECOMPUTE
+
+    cap = _split(must_save_matmuls, memory_budget=0.9)
+    r = cap.report
+    assert r.activation_bytes <= r.budget_bytes
+    assert "aten.mm.default" not in _offloaded_ops(cap)
+    assert "aten.mm.default" not in r.recomputed
+    assert all(s.op != "aten.mm.default" for s in r.saved if s.on_host)
