@@ -54,14 +54,43 @@ def flops(node: fx.Node) -> int:
     return _hint(count, fallback=0)
 
 
+def _memory_bytes(t: Any) -> int:
+    """Bytes of memory a tensor's elements occupy: its numel's bytes, or fewer when elements
+    share memory (an ``expand``, stride 0: a [N, 1] index expanded to [N, V] reads N
+    elements, not N x V). The span of its strides, at most its numel."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    try:
+        if t.layout is not torch.strided or t.is_nested:
+            return _tensor_bytes(t)
+        sizes = [_hint(s, fallback=64) for s in t.shape]
+        strides = [_hint(s, fallback=1) for s in t.stride()]
+    except Exception:  # no strides (a sparse or subclass value)
+        return _tensor_bytes(t)
+    numel = _hint(t.numel(), fallback=4096)
+    if numel == 0 or any(s == 0 for s in sizes):
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(sizes, strides))
+    return min(numel, span) * t.dtype.itemsize
+
+
+def _read_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, py_sym_types):
+        return 1
+    return sum(_memory_bytes(v) for v in pytree.tree_leaves(val))
+
+
 def traffic(node: fx.Node) -> int:
-    """Bytes read and written when the node runs (its tensor inputs and its output)."""
+    """Bytes read and written when the node runs: its tensor inputs, each by the memory its
+    elements occupy (an expanded view reads its small base, not its expanded size), and its
+    output. Views and ``getitem`` cost nothing."""
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0
     read = 0
     for a in pytree.tree_leaves((node.args, node.kwargs)):
         if isinstance(a, fx.Node):
-            read += nbytes(a)
+            read += _read_bytes(a)
     return read + nbytes(node)
 
 
