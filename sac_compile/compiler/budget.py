@@ -42,7 +42,7 @@ import torch.fx as fx
 from . import costs
 from .network import INF, FlowNetwork
 from .reasons import ReasonKind, kind_of
-from .solvers import solve
+from .solvers import source_side
 
 __all__ = ["check_budget", "parse_budget_text", "budget_label", "solve_with_budget",
            "BudgetResult"]
@@ -63,6 +63,9 @@ class BudgetResult:
     solves: int
     seconds: float
     offloaded: list[fx.Node] = dataclasses.field(default_factory=list)  # kept on the host
+    method: str = ""                     # how the cut was found
+    cost: float = 0.0                    # its recompute + offload + kept-input cost
+    lagrangian_cost: float = 0.0         # the same for the Lagrangian search's cut
 
 
 def budget_label(budget: float | int) -> str:
@@ -152,52 +155,142 @@ def _activation_bytes(net: FlowNetwork, saved: list[fx.Node], w: float = 1.0) ->
     return int(sum(net.device_bytes(acts, w)))
 
 
-def solve_with_budget(net: FlowNetwork, budget: float | int,
-                      solver: str | None = None) -> BudgetResult:
-    """The cut with the largest ``w`` whose activation bytes fit ``budget`` (see the module
-    docstring); :class:`~sac_compile.CheckpointError` when no cut fits."""
+# The exact program (:mod:`.exact`) refines the search on splits up to this many nodes.
+EXACT_MAX_NODES = 2000
+EXACT_TIME_LIMIT = 20.0   # seconds per split; past it, HiGHS's best cut if it beats ours
+FILL_TRIES = 24           # larger splits: values put back into the budget's slack, one by one
+
+
+def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None = None, *,
+                      exact: bool = True) -> BudgetResult:
+    """The cheapest cut whose device activation bytes fit ``budget`` (see the module
+    docstring): the Lagrangian search, then the exact program (``exact``, splits up to
+    :data:`EXACT_MAX_NODES` nodes) or, above that, the budget's slack filled greedily.
+    :class:`~sac_compile.CheckpointError` when no cut fits."""
+    from .exact import ExactProblem, objective
+
     t0 = time.perf_counter()
     solves = 0
+    problem = ExactProblem.from_network(net)
 
-    def at(w: float) -> tuple[list[fx.Node], int]:
+    def at(w: float, edges: Any = None) -> Cut:
         nonlocal solves
         solves += 1
-        saved, _ = solve(net, solver, edges=None if w == 1.0 else net.capacities(w, TILT))
-        return saved, _activation_bytes(net, saved, w)
+        if edges is None and w != 1.0:
+            edges = net.capacities(w, TILT)
+        side = source_side(net, solver, edges=edges)
+        return _cut(net, problem, objective, side, w)
 
-    base, base_bytes = at(1.0)
-    cap = budget * base_bytes if isinstance(budget, float) else float(budget)
+    base = at(1.0)
+    cap = budget * base.nbytes if isinstance(budget, float) else float(budget)
 
-    def result(saved: list[fx.Node], nbytes: int, w: float, min_bytes: int) -> BudgetResult:
-        kept = set(saved)
-        evicted = [v for v in base if v not in kept and _is_activation(net, net.cls.index[v])]
-        return BudgetResult(saved, budget, cap, nbytes, base_bytes, min_bytes, w, evicted,
-                            solves, time.perf_counter() - t0, net.offloaded(saved, w))
+    def result(cut: Cut, min_bytes: int, method: str, lagrangian_cost: float) -> BudgetResult:
+        kept = set(cut.kept)
+        evicted = [v for v in base.kept if v not in kept
+                   and _is_activation(net, net.cls.index[v])]
+        return BudgetResult(cut.kept, budget, cap, cut.nbytes, base.nbytes, min_bytes, cut.w,
+                            evicted, solves, time.perf_counter() - t0, cut.on_host,
+                            method, cut.cost, lagrangian_cost)
 
-    if base_bytes <= cap:
-        return result(base, base_bytes, 1.0, base_bytes)
+    if base.nbytes <= cap:
+        return result(base, base.nbytes, "unconstrained cut", base.cost)
     # Everything but activation bytes together worth less than one byte at w_min.
     other = sum(c for i, v in enumerate(net.cls.nodes)
                 for c in (net.recompute_cost[i], net.offload_cost[i],
                           net.save_cost[i] if v.op == "placeholder" else 0.0)
                 if c not in (0, INF))
     w_min = min(0.5 / other, 1e-3) if other > 0 else 1e-3
-    low, low_bytes = at(w_min)
-    if low_bytes > cap:
+    low = at(w_min)
+    if low.nbytes > cap:
         # Keeps its type and message through Dynamo (a CheckpointError, not wrapped).
         from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(
-            _explain_budget(net, low, budget, cap, low_bytes, base_bytes)) from None
-    best, best_bytes, best_w = low, low_bytes, w_min
+            _explain_budget(net, low.kept, budget, cap, low.nbytes, base.nbytes)) from None
+    best, over = low, base
     lo, hi = math.log(w_min), 0.0
     for _ in range(BISECT_STEPS):
         mid = (lo + hi) / 2
-        saved, nbytes = at(math.exp(mid))
-        if nbytes <= cap:
-            lo, best, best_bytes, best_w = mid, saved, nbytes, math.exp(mid)
+        cut = at(math.exp(mid))
+        if cut.nbytes <= cap:
+            lo, best = mid, cut
         else:
-            hi = mid
-    return result(best, best_bytes, best_w, low_bytes)
+            hi, over = mid, cut
+    lagrangian = best.cost
+    if exact and len(net.cls.nodes) <= EXACT_MAX_NODES:
+        refined = _exact_cut(net, problem, cap, best)
+        if refined is not None:
+            solves += 1
+            return result(refined[0], low.nbytes, refined[1], lagrangian)
+    best, tries = _fill_slack(net, problem, objective, cap, best, over, at)
+    method = f"Lagrangian search, slack filled ({tries} tries)" if tries else \
+        "Lagrangian search"
+    return result(best, low.nbytes, method, lagrangian)
+
+
+@dataclasses.dataclass
+class Cut:
+    kept: list[fx.Node]
+    on_host: list[fx.Node]
+    nbytes: int              # device bytes of kept activations
+    cost: float              # K: recompute + offload + kept input bytes
+    w: float
+    side: frozenset[int] = frozenset()
+
+
+def _cut(net: FlowNetwork, problem: Any, objective: Any, side: set[int], w: float) -> Cut:
+    from .solvers import kept_nodes
+    kept = kept_nodes(net, side)
+    on_host = net.offloaded(kept, w)
+    idx = net.cls.index
+    recomputed = {i for i in range(len(net.cls.nodes))
+                  if 2 * i not in side and net.recompute_cost[i] not in (0, INF)}
+    cost, _ = objective(problem, {idx[v] for v in kept}, {idx[v] for v in on_host}, recomputed)
+    return Cut(kept, on_host, _activation_bytes(net, kept, w), cost, w, frozenset(side))
+
+
+def _exact_cut(net: FlowNetwork, problem: Any, cap: float, best: Cut) -> tuple[Cut, str] | None:
+    """The exact program's cut, when it is cheaper than ``best`` (or as cheap: then ours)."""
+    try:
+        from .exact import solve_exact
+        sol = solve_exact(problem, cap, time_limit=EXACT_TIME_LIMIT)
+    except ImportError:  # a scipy without milp
+        return None
+    if sol is None or sol.cost >= best.cost * (1 - 1e-9):
+        if sol is not None and sol.optimal:
+            return best, "Lagrangian search, proven optimal by the exact program"
+        return None
+    nodes = net.cls.nodes
+    kept = [nodes[i] for i in sol.kept]
+    cut = Cut(kept, [nodes[i] for i in sol.on_host], int(sol.device_bytes), sol.cost,
+              best.w)
+    how = "exact program (MILP, optimal)" if sol.optimal else \
+        f"exact program (MILP, best found in {EXACT_TIME_LIMIT:g} s)"
+    return cut, how
+
+
+def _fill_slack(net: FlowNetwork, problem: Any, objective: Any, cap: float, best: Cut,
+                over: Cut, at: Any) -> tuple[Cut, int]:
+    """Put values back into the budget's slack: each value the next cut over the budget
+    keeps and ``best`` does not, most expensive to recompute first, forced kept at
+    ``best``'s weight while the bytes still fit and the cost drops."""
+    idx = net.cls.index
+    have = set(best.kept)
+    candidates = [v for v in over.kept if v not in have and _is_activation(net, idx[v])]
+    candidates.sort(key=lambda v: -net.recompute_cost[idx[v]])
+    forced: list[int] = []
+    tries = 0
+    for v in candidates[:FILL_TRIES]:
+        i = idx[v]
+        trial = forced + [i]
+        edges = net.capacities(best.w, TILT)
+        for j in trial:
+            edges.append((net.source, 2 * j, INF))
+            edges.append((2 * j + 1, net.sink, INF))
+        tries += 1
+        cut = at(best.w, edges)
+        if cut.nbytes <= cap and cut.cost < best.cost:
+            best, forced = cut, trial
+    return best, tries
 
 
 def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int, cap: float,

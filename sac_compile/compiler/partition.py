@@ -180,8 +180,8 @@ class SACPartitioner(CustomPartitionerFn):
                 f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
                 f"saved, cap {fmt_bytes(res.budget_bytes)} (unconstrained "
                 f"{fmt_bytes(res.unconstrained_bytes)}, least reachable "
-                f"{fmt_bytes(res.min_bytes)}); recompute weight x{res.weight:.3g}, "
-                f"{res.solves} solves")
+                f"{fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
+                + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
             for v in res.evicted:
                 dec = v.meta.get("sac_decision")
                 what = dec.label if dec is not None else "min-cut save"

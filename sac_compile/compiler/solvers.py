@@ -23,7 +23,7 @@ from ..policy import CheckpointPolicy
 from . import costs
 from .network import INF, FlowNetwork
 
-__all__ = ["SOLVERS", "default_solver", "solve", "InfeasibleCut"]
+__all__ = ["SOLVERS", "default_solver", "solve", "source_side", "kept_nodes", "InfeasibleCut"]
 
 P = CheckpointPolicy
 
@@ -96,23 +96,31 @@ def default_solver() -> str:
         return "networkx"
 
 
-def solve(net: FlowNetwork, solver: str | None = None, *,
-          edges: Sequence[tuple[int, int, float]] | None = None) -> tuple[list[fx.Node], float]:
-    """The saved nodes of a minimum cut (graph order) and the solve time in seconds.
-    ``edges``: capacities to use instead of ``net.edges`` (same vertices)."""
-    name = solver or default_solver()
-    fn = SOLVERS[name]
-    t0 = time.perf_counter()
+def source_side(net: FlowNetwork, solver: str | None = None, *,
+                edges: Sequence[tuple[int, int, float]] | None = None) -> set[int]:
+    """The vertices on the source side of a minimum cut (``v_in`` of node ``i`` is ``2i``:
+    off the source side, ``i`` is recomputed). ``edges``: capacities to use instead of
+    ``net.edges`` (same vertices)."""
+    fn = SOLVERS[solver or default_solver()]
     try:
-        source_side = fn(net.sink + 1, net.edges if edges is None else edges, net.source,
-                         net.sink)
+        return fn(net.sink + 1, net.edges if edges is None else edges, net.source, net.sink)
     except InfeasibleCut:
         from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(_explain_infeasible(net)) from None
-    elapsed = time.perf_counter() - t0
-    saved = [v for i, v in enumerate(net.cls.nodes)
-             if 2 * i in source_side and 2 * i + 1 not in source_side]
-    return saved, elapsed
+
+
+def kept_nodes(net: FlowNetwork, side: set[int]) -> list[fx.Node]:
+    """The nodes a cut keeps for the backward (``v_in`` in, ``v_out`` out), graph order."""
+    return [v for i, v in enumerate(net.cls.nodes)
+            if 2 * i in side and 2 * i + 1 not in side]
+
+
+def solve(net: FlowNetwork, solver: str | None = None, *,
+          edges: Sequence[tuple[int, int, float]] | None = None) -> tuple[list[fx.Node], float]:
+    """The saved nodes of a minimum cut (graph order) and the solve time in seconds."""
+    t0 = time.perf_counter()
+    side = source_side(net, solver, edges=edges)
+    return kept_nodes(net, side), time.perf_counter() - t0
 
 
 def _explain_infeasible(net: FlowNetwork) -> str:
