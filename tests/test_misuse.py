@@ -401,9 +401,9 @@ def test_memory_budget_that_is_unreachable():
                       backend=make_backend(compiler="aot_eager", memory_budget=0.5))
     with pytest.raises(CheckpointError, match=re.escape(
             "sac_compile: memory budget 50% of 256 B = 128 B cannot be met: even with "
-            "everything recomputed that may be recomputed, this forward/backward split saves "
-            "256 B of activations. Largest values it must still save: mm (aten.mm.default, "
-            "128 B in region 'AllMust': MUST_SAVE by policy)")) as e:
+            "everything recomputed or offloaded that may be, this forward/backward split "
+            "keeps 256 B of activations on the device. Largest values it must still keep: "
+            "mm (aten.mm.default, 128 B in region 'AllMust': MUST_SAVE by policy)")) as e:
         f(x, w)
     assert "To fix: raise the budget to at least 256 B" in str(e.value)
     assert "relax those MUST_SAVE decisions to PREFER_SAVE" in str(e.value)

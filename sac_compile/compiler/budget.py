@@ -66,6 +66,7 @@ class BudgetResult:
     method: str = ""                     # how the cut was found
     cost: float = 0.0                    # its recompute + offload + kept-input cost
     lagrangian_cost: float = 0.0         # the same for the Lagrangian search's cut
+    lifted: list[fx.Node] = dataclasses.field(default_factory=list)  # upstream bans lifted
 
 
 def budget_label(budget: float | int) -> str:
@@ -188,9 +189,11 @@ def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None 
         kept = set(cut.kept)
         evicted = [v for v in base.kept if v not in kept
                    and _is_activation(net, net.cls.index[v])]
+        lifted = [net.cls.nodes[i] for i in sorted(cut.recomputed)
+                  if i in net.lifted_under_budget]
         return BudgetResult(cut.kept, budget, cap, cut.nbytes, base.nbytes, min_bytes, cut.w,
                             evicted, solves, time.perf_counter() - t0, cut.on_host,
-                            method, cut.cost, lagrangian_cost)
+                            method, cut.cost, lagrangian_cost, lifted)
 
     if base.nbytes <= cap:
         return result(base, base.nbytes, "unconstrained cut", base.cost)
@@ -234,7 +237,7 @@ class Cut:
     nbytes: int              # device bytes of kept activations
     cost: float              # K: recompute + offload + kept input bytes
     w: float
-    side: frozenset[int] = frozenset()
+    recomputed: frozenset[int] = frozenset()  # node indices recomputed at a cost
 
 
 def _cut(net: FlowNetwork, problem: Any, objective: Any, side: set[int], w: float) -> Cut:
@@ -243,9 +246,9 @@ def _cut(net: FlowNetwork, problem: Any, objective: Any, side: set[int], w: floa
     on_host = net.offloaded(kept, w)
     idx = net.cls.index
     recomputed = {i for i in range(len(net.cls.nodes))
-                  if 2 * i not in side and net.recompute_cost[i] not in (0, INF)}
+                  if 2 * i not in side and problem.recompute[i] not in (0, INF)}
     cost, _ = objective(problem, {idx[v] for v in kept}, {idx[v] for v in on_host}, recomputed)
-    return Cut(kept, on_host, _activation_bytes(net, kept, w), cost, w, frozenset(side))
+    return Cut(kept, on_host, _activation_bytes(net, kept, w), cost, w, frozenset(recomputed))
 
 
 def _exact_cut(net: FlowNetwork, problem: Any, cap: float, best: Cut) -> tuple[Cut, str] | None:
@@ -262,7 +265,7 @@ def _exact_cut(net: FlowNetwork, problem: Any, cap: float, best: Cut) -> tuple[C
     nodes = net.cls.nodes
     kept = [nodes[i] for i in sol.kept]
     cut = Cut(kept, [nodes[i] for i in sol.on_host], int(sol.device_bytes), sol.cost,
-              best.w)
+              best.w, frozenset(sol.recomputed))
     how = "exact program (MILP, optimal)" if sol.optimal else \
         f"exact program (MILP, best found in {EXACT_TIME_LIMIT:g} s)"
     return cut, how
@@ -293,28 +296,72 @@ def _fill_slack(net: FlowNetwork, problem: Any, objective: Any, cap: float, best
     return best, tries
 
 
+_BAN_FIX = {
+    ReasonKind.MUST_SAVE: "relax those MUST_SAVE decisions to PREFER_SAVE "
+                          "(policies.relaxed(policy)) so they may be recomputed",
+    ReasonKind.UPSTREAM_BAN: "put those ops in a region whose policy returns PREFER_RECOMPUTE "
+                             "for them (outside every region they keep upstream's ban)",
+    ReasonKind.RANDOM: "let their random ops be recomputed (torch's RNG functionalisation)",
+    ReasonKind.EFFECTFUL: "keep collectives and effectful ops out of the budget's reach "
+                          "(they are never replayed)",
+    ReasonKind.MUST_RUN_IN_FORWARD: "none for those: torch runs them in the forward",
+}
+
+
+def _blocking_bans(net: FlowNetwork, v: fx.Node) -> list[fx.Node]:
+    """The nearest ancestors of ``v`` that cannot be recomputed even under a budget (not
+    graph inputs): what stops ``v`` from being recomputed."""
+    idx = net.cls.index
+    out, seen, stack = [], {v}, list(v.all_input_nodes)
+    while stack and len(out) < 3:
+        u = stack.pop()
+        if u in seen or u not in idx:
+            continue
+        seen.add(u)
+        if u.op == "placeholder":
+            continue
+        if u in net.ban_reason and idx[u] not in net.lifted_under_budget:
+            out.append(u)
+            continue
+        stack.extend(u.all_input_nodes)
+    return out
+
+
 def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int, cap: float,
                     min_bytes: int, base_bytes: int) -> str:
     from ..report import fmt_bytes
     idx = net.cls.index
+
+    def where(v: fx.Node) -> str:
+        path = v.meta.get("sac_region_path")
+        return f" in region {path[-1]!r}" if path else " (outside every region)"
+
     acts = sorted((v for v in saved if _is_activation(net, idx[v])),
                   key=lambda v: -net.save_cost[idx[v]])
-    items = []
+    items, kinds = [], []
     for v in acts[:5]:
-        path = v.meta.get("sac_region_path")
-        where = f" in region {path[-1]!r}" if path else ""
-        why = net.ban_reason.get(v, "kept so that others can be recomputed")
+        if v in net.ban_reason and idx[v] not in net.lifted_under_budget:
+            why = net.ban_reason[v]
+            kinds.append(kind_of(why))
+        else:
+            blockers = _blocking_bans(net, v)
+            kinds.extend(kind_of(net.ban_reason[b]) for b in blockers)
+            why = ("recomputing it needs " + ", ".join(
+                f"{b.name} ({costs.op_label(b)}{where(b)}: {net.ban_reason[b]})"
+                for b in blockers) + ", which cannot be recomputed and is larger to keep"
+                   ) if blockers else "kept so that others can be recomputed"
         items.append(f"{v.name} ({costs.op_label(v)}, {fmt_bytes(net.save_cost[idx[v]])}"
-                     f"{where}: {why})")
+                     f"{where(v)}: {why})")
     given = (f"{budget_label(budget)} of {fmt_bytes(base_bytes)} = {fmt_bytes(cap)}"
              if isinstance(budget, float) else fmt_bytes(cap))
     ratio = f"{min_bytes / base_bytes:.3g}" if base_bytes else ""
     need = f" (memory_budget={ratio if '.' in ratio else ratio + '.0'} or more)" if ratio else ""
-    must = any(kind_of(net.ban_reason.get(v)) is ReasonKind.MUST_SAVE for v in acts)
+    fixes = [_BAN_FIX[k] for k in dict.fromkeys(kinds) if k in _BAN_FIX]
     fix = ("raise the budget to at least " + fmt_bytes(min_bytes) + need +
-           (", or relax those MUST_SAVE decisions to PREFER_SAVE so they may be recomputed"
-            if must else ", or let more of these values be recomputed"))
+           "".join(f", or {f}" for f in fixes) +
+           ("" if fixes else ", or let more of these values be recomputed") +
+           "; on an accelerator, values may also be offloaded (MUST/PREFER_CPU_OFFLOAD)")
     return (f"sac_compile: memory budget {given} cannot be met: even with everything "
-            f"recomputed that may be recomputed, this forward/backward split saves "
-            f"{fmt_bytes(min_bytes)} of activations. Largest values it must still save: "
-            f"{'; '.join(items) or 'none'}. To fix: {fix}.")
+            f"recomputed or offloaded that may be, this forward/backward split keeps "
+            f"{fmt_bytes(min_bytes)} of activations on the device. Largest values it must "
+            f"still keep: {'; '.join(items) or 'none'}. To fix: {fix}.")

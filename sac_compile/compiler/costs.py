@@ -104,9 +104,31 @@ def is_view(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
+    """Whether the op draws random numbers: tagged ``nondeterministic_seeded``, except an
+    attention kernel (or dropout) whose dropout probability is 0 - SDPA ops carry the tag
+    whatever their ``dropout_p``, which would ban recomputing every attention."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in target.tags
+    if not (isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    return _dropout_p(node) != 0
+
+
+def _dropout_p(node: fx.Node) -> Any:
+    """The op's ``dropout_p`` (``p`` for a dropout op), or None when it has none."""
+    names = [a.name for a in node.target._schema.arguments]
+    for name in ("dropout_p", "p"):
+        if name in names:
+            i = names.index(name)
+            value = node.kwargs.get(name, node.args[i] if i < len(node.args) else
+                                    node.target._schema.arguments[i].default_value)
+            if name == "p" and "train" in names:  # native_dropout(input, p, train)
+                j = names.index("train")
+                train = node.kwargs.get("train", node.args[j] if j < len(node.args) else None)
+                if train is False:
+                    return 0
+            return value if isinstance(value, (int, float)) else None
+    return None
 
 
 def op_label(node: fx.Node) -> str:

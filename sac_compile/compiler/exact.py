@@ -46,7 +46,11 @@ class ExactProblem:
 
     @classmethod
     def from_network(cls, net: object) -> ExactProblem:
-        return cls(net.structure, net.save_cost, net.offload_cost, net.recompute_cost,
+        """The network under a budget (upstream bans it lifts are recompute costs)."""
+        recompute = list(net.recompute_cost)
+        for i, c in net.lifted_under_budget.items():
+            recompute[i] = c
+        return cls(net.structure, net.save_cost, net.offload_cost, recompute,
                    [v.op == "placeholder" for v in net.cls.nodes])
 
 
@@ -54,6 +58,7 @@ class ExactProblem:
 class ExactSolution:
     kept: list[int]          # node indices kept (device or host)
     on_host: list[int]       # of those, kept on the host
+    recomputed: list[int]    # node indices recomputed (at a cost)
     cost: float              # K: recompute + offload + kept input bytes
     device_bytes: float      # activation bytes kept on the device
     optimal: bool            # proven optimal (False: the time limit hit first)
@@ -149,7 +154,8 @@ def solve_exact(p: ExactProblem, budget_bytes: float, *,
     cost, acts = objective(p, kept, on_host, recomputed)
     if acts > budget_bytes * (1 + 1e-9) + 1:
         return None
-    return ExactSolution(sorted(kept), sorted(on_host), cost, acts, res.status == 0)
+    return ExactSolution(sorted(kept), sorted(on_host), sorted(recomputed), cost, acts,
+                         res.status == 0)
 
 
 def brute_force(p: ExactProblem, budget_bytes: float) -> tuple[float, float] | None:

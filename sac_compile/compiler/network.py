@@ -35,6 +35,7 @@ PREFER_RECOMPUTE   bytes                  transfer             discount * cost
 PREFER_SAVE        bytes                  transfer             cost
 untagged           bytes                  transfer             cost, or infinite where
                                                                upstream bans recompute
+                                                               (cost under a budget)
 =================  =====================  ===================  =======================
 
 (a) bytes where the value cannot leave the device (on the CPU already, a view, a getitem,
@@ -91,6 +92,9 @@ class CostModel:
     # False: only values the policy marks *_CPU_OFFLOAD may leave the device (as in eager
     # mode); True: a memory budget may also offload others, when cheaper than recomputing.
     offload_unmarked: bool = True
+    # Under a memory budget, untagged ops that upstream's heuristics would never recompute
+    # (compute intensive, reductions, off its allowlist) may be recomputed, at their cost.
+    budget_lifts_upstream_bans: bool = True
 
     def recompute_cost(self, node: fx.Node) -> float:
         return self.recompute_weight * (costs.flops(node) / self.flops_per_byte
@@ -160,6 +164,9 @@ class FlowNetwork:
     offload_cost: list[float]           # cost of keeping v on the host (INF: cannot)
     recompute_cost: list[float]
     ban_reason: dict[fx.Node, Reason]   # why a node cannot be recomputed (infinite edge)
+    # Untagged ops upstream would not recompute (heuristic bans): their recompute cost
+    # under a memory budget (w < 1), where the budget asks for memory first.
+    lifted_under_budget: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def source(self) -> int:
@@ -187,6 +194,8 @@ class FlowNetwork:
             keep = min(save, w * self.offload_cost[i])
             edges.append((2 * i, 2 * i + 1, keep))
             rec = self.recompute_cost[i]
+            if w < 1.0 and i in self.lifted_under_budget:
+                rec = self.lifted_under_budget[i]
             if rec > 0:
                 edges.append((src, 2 * i, rec if w == 1.0 else rec * w * (1 - tilt * i / n)))
         return edges
@@ -209,7 +218,7 @@ def _upstream_ban(node: fx.Node, op_types: Any) -> Reason | None:
     if costs.is_view(node) or node.target is operator.getitem:
         return None
     text = None
-    if op_types.is_random(node) or costs.is_random(node):
+    if costs.is_random(node):  # (not op_types.is_random: SDPA with dropout_p=0 is not)
         text = "random op"
     elif op_types.is_compute_intensive(node):
         text = "compute intensive op"
@@ -260,6 +269,7 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
     packed_bytes = packed_bytes or {}
     fwd_outputs = {o for o in cls.fwd_outputs if isinstance(o, fx.Node)}
     structure: list[tuple[int, int]] = []
+    soft: dict[int, float] = {}
     save_cost: list[float] = []
     offload_cost: list[float] = []
     recompute_cost: list[float] = []
@@ -300,6 +310,9 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
         if reason is not None and v.op != "get_attr":
             bans[v] = reason
             rec = INF
+            if reason.kind is ReasonKind.UPSTREAM_BAN and cost.budget_lifts_upstream_bans and \
+                    v in cls.required_fw and not costs.is_random(v):
+                soft[i] = cost.recompute_cost(v)
         elif v.op != "call_function" or v not in cls.required_fw or \
                 v.target is operator.getitem or costs.is_view(v):
             rec = 0.0
@@ -326,4 +339,4 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
                 structure.append((vout, 2 * j))
         if v in cls.needed_in_bw:
             structure.append((vout, sink))
-    return FlowNetwork(cls, structure, save_cost, offload_cost, recompute_cost, bans)
+    return FlowNetwork(cls, structure, save_cost, offload_cost, recompute_cost, bans, soft)

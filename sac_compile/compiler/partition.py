@@ -191,6 +191,13 @@ class SACPartitioner(CustomPartitionerFn):
                            f"{what} overridden by memory budget {label}: recomputed in "
                            f"backward (saving it would exceed {fmt_bytes(res.budget_bytes)})"),
                     region=_region(v)))
+            if res.lifted:
+                ops = sorted({costs.op_label(v) for v in res.lifted})
+                report.notes.append(
+                    f"memory budget {label}: {len(res.lifted)} untagged ops recomputed that "
+                    f"torch's partitioner would keep ({', '.join(ops[:4])}"
+                    f"{', ...' if len(ops) > 4 else ''}; CostModel("
+                    f"budget_lifts_upstream_bans=False) keeps them)")
             host = [v for v in res.offloaded if not _marked_offload(v)]
             host_reason = (f"offloaded to meet memory budget {label}: transferring it costs "
                            f"less than recomputing it")

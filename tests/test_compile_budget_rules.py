@@ -1,0 +1,137 @@
+"""What a memory budget may change and what it may not (issue 12): upstream's heuristic bans
+on untagged ops are lifted under a budget (and named when they are not), the error blames
+the value that cannot be recomputed, and attention without dropout is not a random op."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
+from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
+from sac_compile.compiler import CostModel, SACPartitioner, make_backend
+from sac_compile.compiler.backend import _SACAotAutograd
+from functorch.compile import make_boxed_func
+
+aten = torch.ops.aten
+
+
+def _gpt(policy, budget, **options):
+    torch._dynamo.reset()
+    model, inputs = make_model("gpt", size="test", seed=0)
+    for block in model.blocks:
+        sac_region(policy)(block)
+    reports = []
+    compiled = torch.compile(model, backend=make_backend(
+        compiler="aot_eager", memory_budget=budget, on_partition=reports.append, **options))
+    torch.manual_seed(0)
+    loss_fn(compiled(*inputs)).backward()
+    return reports[0], grads_of(model, inputs)
+
+
+def test_untagged_ops_outside_regions_no_longer_set_a_floor_under_a_budget():
+    """GPT fixture, recompute_all in each block: the final LayerNorm and the loss head lie
+    outside every region. Without lifting upstream's bans (compute intensive, reductions)
+    a budget of 30% is out of reach; with them lifted it is met, gradients exact."""
+    with pytest.raises(CheckpointError) as info:
+        _gpt(policies.recompute_all, 0.3,
+             cost_model=CostModel(budget_lifts_upstream_bans=False))
+    msg = str(info.value)
+    assert "(outside every region)" in msg
+    assert "upstream's recomputable allowlist" in msg or "compute intensive" in msg or \
+        "reduction" in msg, msg
+    assert "put those ops in a region whose policy returns PREFER_RECOMPUTE" in msg
+    report, grads = _gpt(policies.recompute_all, 0.3)
+    assert report.activation_bytes <= report.budget_bytes
+    assert any("untagged ops recomputed that torch's partitioner would keep" in n
+               for n in report.notes), report.notes
+    model, inputs = make_model("gpt", size="test", seed=0)
+    assert max_grad_diff(reference_grads(model, inputs, seed=0), grads) <= 1e-5
+
+
+def test_budget_one_keeps_upstream_bans():
+    unconstrained, _ = _gpt(policies.recompute_all, None)
+    at_one, _ = _gpt(policies.recompute_all, 1.0)
+    assert at_one.activation_bytes == unconstrained.activation_bytes
+    assert sorted(at_one.recomputed) == sorted(unconstrained.recomputed)
+
+
+def test_the_error_blames_the_value_that_cannot_be_recomputed():
+    """A value kept only because its producer's input cannot be recomputed: the message
+    names that producer and its MUST_SAVE, not 'kept so that others can be recomputed'."""
+    def policy(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op is aten.mm.default else CP.PREFER_RECOMPUTE
+
+    @sac_region(policy, name="Blame")
+    def block(x, w):
+        return (x @ w).sin().cos()
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    f = torch.compile(lambda x, w: block(x, w).sum(),
+                      backend=make_backend(compiler="aot_eager", memory_budget=64))
+    with pytest.raises(CheckpointError) as info:
+        f(x, w).backward()
+    msg = str(info.value)
+    assert "kept so that others can be recomputed" not in msg
+    assert "mm (aten.mm.default, 512 B in region 'Blame': MUST_SAVE by policy)" in msg
+    assert "policies.relaxed(policy)" in msg
+
+
+def _capture(**options):
+    cap = {}
+    part = SACPartitioner(on_partition=lambda r: cap.setdefault("report", r), **options)
+
+    def partition(gm, inputs, **kwargs):
+        cap["fw"], cap["bw"] = part(gm, inputs, **kwargs)
+        return cap["fw"], cap["bw"]
+
+    boxed = lambda gm, example_inputs: make_boxed_func(gm.forward)  # noqa: E731
+    return _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition), cap
+
+
+def test_attention_without_dropout_is_not_a_random_op():
+    """SDPA kernels carry torch's nondeterministic_seeded tag whatever their dropout_p. With
+    p=0 a recomputed attention needs no RNG state (no run_with_rng_state in the backward)."""
+    def policy(ctx, op, *args, **kwargs):
+        return CP.PREFER_RECOMPUTE
+
+    @sac_region(policy, name="Attn")
+    def attn(q, k, v):  # the kernel F.scaled_dot_product_attention picks on a CPU
+        out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0)
+        return out.sin()
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 2, 8, 4, requires_grad=True) for _ in range(3))
+    backend, cap = _capture()
+    attn_c = torch.compile(attn, backend=backend)
+    attn_c(q, k, v).sum().backward()
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in cap["report"].recomputed
+    assert not [n for n in cap["bw"].graph.nodes if "rng_state" in str(n.target)]
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q2, k2, v2).sin().sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_which_ops_are_random():
+    from sac_compile.compiler.costs import is_random
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+
+    def node(target, *args, **kwargs):
+        return g.call_function(target, args, kwargs)
+
+    flash = aten._scaled_dot_product_flash_attention.default
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert not is_random(node(flash, x, x, x, 0.0))
+    assert is_random(node(flash, x, x, x, 0.1))
+    assert not is_random(node(flash, x, x, x))                      # default dropout_p=0
+    assert not is_random(node(efficient, x, x, x, None, True, 0.0))
+    assert is_random(node(efficient, x, x, x, None, True, dropout_p=0.5))
+    assert not is_random(node(aten.native_dropout.default, x, 0.5, False))  # eval mode
+    assert is_random(node(aten.native_dropout.default, x, 0.5, True))
+    assert is_random(node(aten.rand.default, [2, 2]))
+    assert not is_random(node(aten.sin.default, x))
