@@ -74,10 +74,13 @@ def objective(p: ExactProblem, kept: set[int], on_host: set[int],
     return cost, acts
 
 
-def solve_exact(p: ExactProblem, budget_bytes: float, *,
-                time_limit: float = 20.0) -> ExactSolution | None:
-    """The cheapest cut whose device activation bytes fit ``budget_bytes``; None when no cut
-    fits or the solver found none within ``time_limit`` seconds."""
+def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: float = 20.0,
+                group_caps: Sequence[tuple[Sequence[int], float]] = ()
+                ) -> ExactSolution | None:
+    """The cheapest cut whose device activation bytes fit ``budget_bytes`` (None: no cap on
+    all of them) and, for each ``(nodes, cap)`` of ``group_caps``, whose device bytes of
+    those nodes fit ``cap`` (per-region budgets); None when no cut fits or the solver found
+    none within ``time_limit`` seconds."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
@@ -134,8 +137,13 @@ def solve_exact(p: ExactProblem, budget_bytes: float, *,
             if save > 0:
                 budget_row.append((D + i, save))
         row([(D + i, 1.0), (H + i, 1.0), (vin, -1.0), (vout, 1.0)], 0.0, np.inf)
-    if budget_row:
+    if budget_row and budget_bytes is not None:
         row(budget_row, -np.inf, float(budget_bytes))
+    for members, group_cap in group_caps:
+        entries = [(D + i, p.save[i]) for i in members
+                   if not p.is_input[i] and p.save[i] not in (0, INF)]
+        if entries:
+            row(entries, -np.inf, float(group_cap))
     a = coo_array((vals, (rows, cols)), shape=(len(rlo), nvar)).tocsr()
     res = milp(c, integrality=integrality, bounds=Bounds(lo, hi),
                constraints=LinearConstraint(a, rlo, rhi),
@@ -152,7 +160,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float, *,
             if x[D + i] == 0 or p.save[i] == INF:
                 on_host.add(i)
     cost, acts = objective(p, kept, on_host, recomputed)
-    if acts > budget_bytes * (1 + 1e-9) + 1:
+    if budget_bytes is not None and acts > budget_bytes * (1 + 1e-9) + 1:
         return None
     return ExactSolution(sorted(kept), sorted(on_host), sorted(recomputed), cost, acts,
                          res.status == 0)

@@ -27,7 +27,8 @@ from ..policy import CheckpointPolicy
 from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
-from .budget import budget_label, check_budget, solve_with_budget
+from .budget import (budget_label, check_budget, region_budget_annotations, solve_with_budget,
+                     solve_with_region_budgets)
 from .network import CostModel, build_flow_network, classify
 from .normalize import normalize_tags
 from .reasons import Reason, ReasonKind
@@ -165,17 +166,25 @@ class SACPartitioner(CustomPartitionerFn):
                                  can_offload=_offload_pass_available(gm))
         lap("network")
         host, host_reason = [], ""
-        if self.memory_budget is None:
+        regions = region_budget_annotations(cls.nodes)
+        if self.memory_budget is None and not regions:
             saved, _ = solve(net, self.solver)
             host = [v for v in net.offloaded(saved) if not _marked_offload(v)]
             host_reason = "kept on the host by the cut: transferring it costs less than " \
                           "keeping it on the device or recomputing it"
         else:
-            res = solve_with_budget(net, self.memory_budget, self.solver)
+            if regions:  # torch's per-region budgets, honoured (torch ignores them with SAC)
+                res, lines = solve_with_region_budgets(net, regions, self.memory_budget,
+                                                       self.solver)
+                report.notes.extend(lines)
+            else:
+                res = solve_with_budget(net, self.memory_budget, self.solver)
             saved = res.saved
-            label = budget_label(self.memory_budget)
-            report.memory_budget = self.memory_budget
-            report.budget_bytes = int(res.budget_bytes)
+            label = budget_label(self.memory_budget) if self.memory_budget is not None \
+                else "(per region)"
+            if self.memory_budget is not None:
+                report.memory_budget = self.memory_budget
+                report.budget_bytes = int(res.budget_bytes)
             report.notes.append(
                 f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
                 f"saved, cap {fmt_bytes(res.budget_bytes)} (unconstrained "
