@@ -235,3 +235,98 @@ def test_offload_options_are_the_same_for_every_compile():
         pass
     assert offload.offload_options() == first
     assert first["activation_offload_separate_stream"] is True
+
+
+# -- a storage decision on a view op applies to its base --------------------------------
+
+VIEWS = {"view": (aten.view.default, lambda h: h.view(-1)),
+         "transpose": (aten.transpose.int, lambda h: h.transpose(0, 1)),
+         "t": (aten.t.default, lambda h: h.t())}
+
+
+def _deciding(op, opinion):
+    return lambda ctx, o, *a, **k: opinion if o is op else None
+
+
+@pytest.mark.parametrize("kind", sorted(VIEWS))
+def test_must_offload_of_a_view_offloads_its_base(kind):
+    """MUST_CPU_OFFLOAD for a view op: the view shares its base's storage, so the base (a
+    matmul the policy says nothing about) is what leaves the device."""
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+    op, view = VIEWS[kind]
+
+    @sac_region(_deciding(op, CP.MUST_CPU_OFFLOAD), name="V")
+    def block(x, w):
+        return view(x @ w).sin()  # sin's backward reads the view
+
+    backend, cap = capturing_backend()
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    _compile_and_run_on_meta(block, backend, x, w)
+    (offload,) = _ops(cap.fw, "offload")
+    assert offload.args[0].target is aten.mm.default
+    assert len(_ops(cap.bw, "reload")) == 1
+    (row,) = [r for r in cap.report.saved if not r.is_input]
+    assert row.op == "aten.mm.default", row
+    assert row.reason.startswith(f"MUST_CPU_OFFLOAD by policy on its view {op} ") and \
+        "in region 'V'" in row.reason and "offloaded to the CPU" in row.reason, row.reason
+
+
+def test_prefer_offload_of_a_view_offloads_its_base_when_kept():
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    torch._dynamo.reset()
+
+    @sac_region(lambda ctx, op, *a, **k: CP.PREFER_CPU_OFFLOAD if op is aten.t.default else
+                (CP.MUST_SAVE if op is aten.mm.default else None), name="V")
+    def block(x, w):
+        return (x @ w).t().sin()
+
+    backend, cap = capturing_backend()
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    # mm is MUST_SAVE: the view's PREFER does not beat it, mm stays on the device
+    _compile_and_run_on_meta(block, backend, x, w)
+    assert not _ops(cap.fw, "offload")
+    (row,) = [r for r in cap.report.saved if not r.is_input]
+    assert row.op == "aten.mm.default" and row.reason.startswith("MUST_SAVE by policy"), row
+
+
+@pytest.mark.parametrize("case", ["input", "conflict"])
+def test_must_offload_of_a_view_its_base_cannot_take_is_an_error(case):
+    """A view of an input (its base cannot be offloaded by the compiled graph), or of a
+    value whose own MUST differs: a CheckpointError naming the view's op, region and fix,
+    never a silent drop."""
+    torch._dynamo.reset()
+    if case == "input":
+        policy = _deciding(aten.t.default, CP.MUST_CPU_OFFLOAD)
+
+        @sac_region(policy, name="V")
+        def block(x, w):
+            return (x.t() @ w).sin()  # mm's backward reads x.t()
+    else:
+        def policy(ctx, op, *a, **k):
+            return {aten.t.default: CP.MUST_CPU_OFFLOAD, aten.mm.default: CP.MUST_SAVE}.get(op)
+
+        @sac_region(policy, name="V")
+        def block(x, w):
+            return (w @ x).t().sin()  # mm is MUST_SAVE, its view MUST_CPU_OFFLOAD
+
+    backend, _ = capturing_backend()
+    x = torch.randn(8, 4, device="meta", requires_grad=True)
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    with pytest.raises(CheckpointError) as info:
+        torch.compile(block, backend=backend)(x, w)
+    msg = str(info.value)
+    assert "MUST_CPU_OFFLOAD of aten.t.default (t) in region 'V' cannot be honoured" in msg, msg
+    assert "shares its base's storage" in msg and "To fix" in msg, msg
+    if case == "input":
+        assert "an input, a parameter or a value from outside every region" in msg, msg
+    else:
+        assert "aten.mm.default, MUST_SAVE by policy in region 'V'" in msg, msg
+    # On the CPU an offload is a plain save: nothing to carry, nothing to refuse
+    torch._dynamo.reset()
+    cpu = [torch.randn(8, 4, requires_grad=True), torch.randn(8, 8, requires_grad=True)]
+    backend, cap = capturing_backend()
+    torch.compile(block, backend=backend)(*cpu).sum().backward()
+    assert not _ops(cap.fw, "offload")

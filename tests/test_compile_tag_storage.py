@@ -227,3 +227,60 @@ def test_the_cache_key_covers_tagged_hooks():
     assert other_texts != texts                                  # other hooks: another graph
     bypass, _ = _cache_view(SaveWithHooks(lambda t: t.half(), lambda p: p.float()))
     assert isinstance(bypass, BypassAOTAutogradCache)            # no stable identity
+
+
+# -- SaveWithHooks decided on a view op packs its base ----------------------------------
+
+def _hooks_on(op):
+    return lambda ctx, o, *a, **k: BF16 if o is op else None
+
+
+def _view_block(how):
+    if how == "policy":
+        @sac_region(_hooks_on(aten.t.default), name="V")
+        def block(x, w1, w2):
+            return (x @ w1).t().sin() @ w2.transpose(0, 1)  # sin's backward reads the view
+    else:
+        @sac_region(_saves_nothing_special, name="V")
+        def block(x, w1, w2):
+            return tag((x @ w1).t(), BF16).sin() @ w2.transpose(0, 1)
+    return block
+
+
+@pytest.mark.parametrize("how", ["policy", "tag"])
+def test_hooks_on_a_view_pack_its_base_and_agree_with_eager(how):
+    torch._dynamo.reset()
+    inputs = _inputs()
+    eager = _grads(_view_block(how), inputs)
+    backend, cap = _capturing()
+    got = _grads(torch.compile(_view_block(how), backend=backend), inputs)
+    packs = [n for n in cap["fw"].graph.nodes if n.name.startswith("sac_pack_")]
+    assert len(packs) == 1 and packs[0].meta["val"].dtype == torch.bfloat16
+    (row,) = [r for r in cap["report"].saved if "packed by" in r.reason]
+    assert row.op == "aten.mm.default" and row.nbytes == 16 * 32 * 2, row
+    source = "policy" if how == "policy" else "tag"
+    assert row.reason.startswith(f"SaveWithHooks by {source} on its view aten.t.default (t) "
+                                 f"in region 'V': packed by SaveWithHooks(to_bf16, "
+                                 f"from_bf16)"), row.reason
+    assert _rel(got, eager) <= 1e-2
+
+
+def test_hooks_on_a_view_of_an_input_pack_the_view_itself():
+    """The base is an input (the region cannot pack it): the view is saved and packed by
+    itself, as the eager runtime packs the view op's output - never dropped."""
+    torch._dynamo.reset()
+
+    @sac_region(_hooks_on(aten.t.default), name="V")
+    def block(x, w1, w2):
+        return (w1.t() @ x.transpose(0, 1)).sin() @ w2.transpose(0, 1)  # mm reads w1.t()
+
+    inputs = _inputs()
+    eager = _grads(block, inputs)
+    backend, cap = _capturing()
+    got = _grads(torch.compile(block, backend=backend), inputs)
+    (pack,) = [n for n in cap["fw"].graph.nodes if n.name.startswith("sac_pack_")]
+    assert pack.args[0].target is aten.t.default and pack.meta["val"].dtype == torch.bfloat16
+    (row,) = [r for r in cap["report"].saved if "packed by" in r.reason]
+    assert row.op == "aten.t.default" and row.reason.startswith(
+        "SaveWithHooks by policy in region 'V': packed by"), row.reason
+    assert _rel(got, eager) <= 1e-2

@@ -15,12 +15,21 @@ joint graph and returns it, rewritten in place, with the number of nodes it chan
    share one decision. Before 4: decompositions read their inputs' decisions.
 4. :func:`propagate_to_decompositions` - nodes a joint-graph pass created inside a region
    (no tag, every tagged neighbour in one region call) take their producers' decision.
-5. :func:`tag_views_like_their_base` - a view follows its base unless it carries a MUST
-   of its own; a MUST save on a view becomes PREFER_SAVE.
-6. :func:`drop_tracing_metadata` - what only the passes above needed.
+5. :func:`carry_view_storage_to_bases` - CPU offload or ``SaveWithHooks`` decided for a
+   view op (by a policy or a tag) applies to the value the view shares its storage with,
+   its base (through views), which is what is kept: the base's decision takes it, by the
+   rules of nested opinions (MUST beats PREFER). Where the base cannot take it (an input,
+   a parameter, a value from outside every region, a different MUST of its own), hooks
+   stay on the view, saved and packed by itself, and a MUST_CPU_OFFLOAD is a
+   ``CheckpointError`` naming the view's op, its region and the fix.
+6. :func:`tag_views_like_their_base` - a view follows its base unless it carries a MUST
+   of its own; a view is kept as a plain save (PREFER_SAVE): a MUST save on a view, and the
+   storage part (offload, hooks) of its decision, which pass 5 gave to its base (except
+   the hooks pass 5 left on the view).
+7. :func:`drop_tracing_metadata` - what only the passes above needed.
 
-Passes 4 and 5 write a node's decision to its ``getitem``s too, and pass 2 to all nodes
-of the dispatched op (``sac_call``), so that a multi-output op never ends up split.
+Passes 4 and 6 write a node's decision to its ``getitem``s too, and passes 2 and 5 to all
+nodes of the dispatched op (``sac_call``), so that a multi-output op never ends up split.
 
 Random and effectful ops are left to the cut (:mod:`.network`): random ops are recomputed
 only with torch's RNG functionalisation, collectives and effectful ops never unless
@@ -34,7 +43,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch._ops import OpOverload
 
 from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide, \
     resolve_decision
@@ -45,12 +56,13 @@ from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
            "share_decisions_with_getitems", "propagate_to_decompositions",
-           "tag_views_like_their_base", "drop_tracing_metadata", "remove_markers",
-           "decision_of", "TORCH_REGION"]
+           "carry_view_storage_to_bases", "tag_views_like_their_base",
+           "drop_tracing_metadata", "remove_markers", "decision_of", "TORCH_REGION"]
 
 #: The region name of torch's own ``checkpoint(..., context_fn=...)`` regions.
 TORCH_REGION = "checkpoint"
 
+aten = torch.ops.aten
 PassResult = tuple[fx.GraphModule, int]  # the graph, and how many nodes the pass changed
 
 
@@ -181,21 +193,156 @@ def _single_region_producer(node: fx.Node) -> fx.Node | None:
 
 # -- 5 ------------------------------------------------------------------------------------
 
+def carry_view_storage_to_bases(gm: fx.GraphModule) -> PassResult:
+    """Offload or hooks decided for a view op go to its base (through views): a view shares
+    its base's storage, so moving or packing the base is what was asked. The base's new
+    decision resolves its own opinion with the view's (the view's last, as the innermost).
+
+    Where the base cannot take it - an input, a parameter or a value from outside every
+    region, or a base whose own MUST differs - hooks stay on the view, which is then saved
+    and packed by itself (as the eager runtime packs the view op's output), and a
+    MUST_CPU_OFFLOAD is a ``CheckpointError`` naming the view's op, its region and the fix.
+    On the CPU an offload is a plain save: nothing to carry."""
+    graph = gm.graph
+    by_call: dict[int, list[fx.Node]] | None = None
+    changed = 0
+    for node in _call_functions(graph):
+        dec = decision_of(node)
+        if dec is None or not (dec.offloads or dec.hooks is not None) or \
+                not _decided_as_view(node) or (dec.hooks is None and _on_cpu(node)):
+            continue
+        base = _storage_base(node)
+        new = _base_with_storage(node, base, dec)
+        if new is _KEEP_ON_VIEW:
+            node.meta[VIEW_KEEPS_STORAGE] = True
+            changed += 1
+            continue
+        if new is None or new == decision_of(base):
+            continue
+        if by_call is None:
+            by_call = _nodes_by_call(graph)
+        call = base.meta.get("sac_call")
+        for n in by_call[call] if call is not None else _with_getitems(base):
+            write_decision(n, new, base.meta["sac_region_path"])
+        changed += 1
+    return gm, changed
+
+
+#: On a view whose hooks its base cannot take: pass 6 leaves its decision as it is.
+VIEW_KEEPS_STORAGE = "sac_view_keeps_storage"
+_KEEP_ON_VIEW: Any = object()
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
+def _decided_as_view(node: fx.Node) -> bool:
+    """The decision is about this view: the op the policies (or a tag) decided is a view -
+    not a view node of another op's decomposition, which shares that op's decision."""
+    if node.target is operator.getitem or not is_view(node) or \
+            not isinstance(node.args[0] if node.args else None, fx.Node):
+        return False
+    op = node.meta.get("sac_op")
+    if op is None:  # torch's own tags (pass 1) are per op: the node is the op decided
+        return (decision_of(node).region or TORCH_REGION) == TORCH_REGION
+    return op is node.target or (isinstance(op, OpOverload) and _is_view_op(op))
+
+
+def _is_view_op(op: OpOverload) -> bool:
+    return bool(op.is_view) or op in (aten.detach.default, aten.alias.default)
+
+
+def _storage_base(node: fx.Node) -> fx.Node:
+    """The value whose storage a view shares: through views, and the ``getitem``s of a
+    multi-output view (``split``)."""
+    base = node.args[0]
+    while isinstance(base, fx.Node) and base.op == "call_function":
+        src = base.args[0] if base.args else None
+        if not isinstance(src, fx.Node):
+            break
+        if is_view(base) or (base.target is operator.getitem and is_view(src)):
+            base = src
+        else:
+            break
+    return base
+
+
+def _base_with_storage(view: fx.Node, base: fx.Node, dec: Decision) -> Any:
+    """The base's decision with the view's storage part; None when nothing changes (the
+    base has it, or its MUST beats the view's PREFER); ``_KEEP_ON_VIEW`` for hooks the base
+    cannot take. A MUST_CPU_OFFLOAD the base cannot take raises."""
+    opinion: Opinion = dec.hooks if dec.hooks is not None else dec.policy
+    base_dec = decision_of(base)
+    if base.op != "call_function" or base_dec is None or \
+            not isinstance(base.meta.get("val"), torch.Tensor):
+        return _cannot_take(view, base, dec, "an input, a parameter or a value from outside "
+                                             "every region")
+    view_vote = Vote(opinion, dec.region or TORCH_REGION,
+                     f"{dec.source} on its view {_op_label(view)} ({view.name})")
+    votes = [view_vote]
+    if base_dec.source != "default":
+        own = base_dec.hooks if base_dec.hooks is not None else base_dec.policy
+        votes.insert(0, Vote(own, base_dec.region or TORCH_REGION, base_dec.source))
+    try:
+        resolved = resolve_decision(base.target, votes)
+    except CheckpointError:
+        resolved = None
+    if resolved is None or (resolved.hooks or resolved.policy) is not opinion:
+        if not (dec.is_must or dec.hooks is not None):
+            return None  # the base's MUST beats the view's PREFER
+        return _cannot_take(view, base, dec, f"{_op_label(base)}, {base_dec.label} by "
+                                             f"{base_dec.source} in region "
+                                             f"{base_dec.region!r}")
+    if resolved.policy is base_dec.policy and resolved.hooks is base_dec.hooks:
+        return None  # the base has it already
+    # The view's storage wins (over a PREFER, or adds hooks to a MUST_SAVE): reported as the
+    # view's, which the reason names.
+    return Decision(resolved.policy, resolved.hooks, view_vote.region, view_vote.source)
+
+
+def _cannot_take(view: fx.Node, base: fx.Node, dec: Decision, base_is: str) -> Any:
+    if dec.hooks is not None:
+        return _KEEP_ON_VIEW  # packed as the view's own value
+    if not dec.is_must:
+        return None  # a PREFER: kept on the device
+    raise CheckpointError(
+        f"{dec.label} of {_op_label(view)} ({view.name}) in region {dec.region!r} cannot be "
+        f"honoured under torch.compile: a view shares its base's storage, so the base is "
+        f"what would leave the device, and this view's base {base.name} is {base_is}; "
+        f"torch's offload pass does not offload a view itself. To fix: decide "
+        f"MUST_CPU_OFFLOAD for the op that produced the base, inside the region (and "
+        f"return None for the view op); or return PREFER_CPU_OFFLOAD for the view op (it "
+        f"then stays on the device, with the reason in the PartitionReport) or MUST_SAVE; "
+        f"or run this region through the eager runtime (a `with sac_region(...)` block), "
+        f"which offloads the view")
+
+
+def _op_label(node: fx.Node) -> str:
+    op = node.meta.get("sac_op", node.target)
+    return str(op) if isinstance(op, OpOverload) else getattr(op, "__name__", str(op))
+
+
+# -- 6 ------------------------------------------------------------------------------------
+
 def tag_views_like_their_base(gm: fx.GraphModule) -> PassResult:
     """A view takes its base's decision unless it has a MUST of its own; a view saved by a
-    MUST is PREFER_SAVE, since recomputing a view from its base is free."""
+    MUST is PREFER_SAVE, since recomputing a view from its base is free. A view keeps no
+    storage decision (offload, hooks): that is its base's (pass 5)."""
     changed = 0
     for node in _call_functions(gm.graph):
         dec = decision_of(node)
         if dec is None or node.target is operator.getitem or not is_view(node) or \
-                dec.policy is CheckpointPolicy.MUST_RECOMPUTE:
+                dec.policy is CheckpointPolicy.MUST_RECOMPUTE or VIEW_KEEPS_STORAGE in node.meta:
             continue
         base = node.args[0] if node.args else None
         base_dec = decision_of(base) if isinstance(base, fx.Node) else None
         if base_dec is not None and not dec.is_must:
             dec = base_dec
-        if dec.saves and dec.is_must:
-            # One copy of the storage: the cut keeps the base, or the view, not both.
+        if (dec.saves and dec.is_must) or dec.offloads or dec.hooks is not None:
+            # One copy of the storage: the cut keeps the base, or the view, not both; how
+            # the storage is kept (offload, hooks) is decided on the base.
             dec = dataclasses.replace(dec, policy=CheckpointPolicy.PREFER_SAVE, hooks=None)
         if dec is decision_of(node):
             continue
@@ -209,22 +356,25 @@ def tag_views_like_their_base(gm: fx.GraphModule) -> PassResult:
     return gm, changed
 
 
-# -- 6 ------------------------------------------------------------------------------------
+# -- 7 ------------------------------------------------------------------------------------
 
 def drop_tracing_metadata(gm: fx.GraphModule) -> PassResult:
-    """What the policies were asked (``sac_ask``, which holds fake tensors) and the markers
-    seen while tracing (``sac_marked``): nothing after these passes reads them."""
+    """What the policies were asked (``sac_ask``, which holds fake tensors), the markers
+    seen while tracing (``sac_marked``) and pass 5's mark on views: nothing after these
+    passes reads them."""
     changed = 0
     for node in gm.graph.nodes:
         asked = node.meta.pop("sac_ask", None) is not None
         marked = node.meta.pop("sac_marked", None) is not None
-        changed += asked or marked
+        kept = node.meta.pop(VIEW_KEEPS_STORAGE, None) is not None
+        changed += asked or marked or kept
     return gm, changed
 
 
 PASSES: tuple[Callable[[fx.GraphModule], PassResult], ...] = (
     adopt_torch_tags, fold_markers, share_decisions_with_getitems,
-    propagate_to_decompositions, tag_views_like_their_base, drop_tracing_metadata)
+    propagate_to_decompositions, carry_view_storage_to_bases, tag_views_like_their_base,
+    drop_tracing_metadata)
 
 
 def normalize_tags(gm: fx.GraphModule) -> dict[str, int]:

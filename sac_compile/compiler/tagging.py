@@ -68,7 +68,7 @@ __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointE
 
 META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_op", "sac_ask",
              "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
-             "sac_view_of")
+             "sac_view_of", "sac_view_keeps_storage")
 
 _state = threading.local()
 _call_ids = itertools.count()
