@@ -258,3 +258,82 @@ def test_a_model_with_nothing_to_differentiate_is_a_usage_error(capsys, tmp_path
     msg = _bad(capsys, "report", "--model", f"{path}:frozen", "--no-compile", "--steps", "1",
                "--out", str(tmp_path / "out"))
     assert "no parameter or input requires grad" in msg and "requires_grad_(False)" in msg
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face models: hf:NAME from a small config, a user's factory; eager/aot_eager only
+# --------------------------------------------------------------------------------------
+
+def _needs_transformers():
+    pytest.importorskip("transformers", minversion="4.40",
+                        reason="Hugging Face transformers is not installed "
+                               "(pip install -e '.[integrations]')")
+
+
+@pytest.mark.parametrize("name, blocks", [("hf:gpt2", 2), ("hf:llama", 2)])
+def test_report_hf_model_no_compile(capsys, tmp_path, name, blocks):
+    _needs_transformers()
+    rc = main(["report", "--model", name, "--no-compile", "--no-plot", "--steps", "1",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert f"model {name} (test)" in captured.out and "ours eager (save_matmuls)" in captured.out
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["meta"]["model"] == name and doc["meta"]["blocks"] == blocks  # one per layer
+    assert doc["meta"]["inputs"] == [[2, 16]]                                # input_ids
+    rows = {r["key"]: r for r in doc["strategies"]}
+    for key in ("no_ac", "full_ac", "torch_sac_eager", "ours_eager"):
+        assert rows[key]["status"] == "ok" and rows[key]["grad_diff"] == 0.0, rows[key]
+    assert rows["ours_compiled"]["status"] == "skipped"
+    # The regions save no more than torch's SAC with the same op list, less than no AC.
+    assert rows["ours_eager"]["kept_bytes"] <= rows["torch_sac_eager"]["kept_bytes"] \
+        < rows["no_ac"]["kept_bytes"]
+
+
+def test_explain_hf_model_eager_and_aot_eager(capsys):
+    _needs_transformers()
+    assert main(["explain", "hf:llama"]) == 0
+    out = capsys.readouterr().out
+    assert "hf:llama: every block in sac_region('save_matmuls')" in out
+    assert "PartitionReport (eager)" in out and "PartitionReport (compile)" in out
+    assert "blocks.0" in out and "blocks.1" in out     # one region per decoder layer
+
+
+def test_hf_model_without_transformers_says_how_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    msg = _bad(capsys, "report", "--model", "hf:gpt2")
+    assert "needs Hugging Face transformers" in msg
+    assert "pip install 'sac_compile[integrations]'" in msg
+
+
+def test_unknown_hf_model(capsys):
+    msg = _bad(capsys, "report", "--model", "hf:bert")
+    assert "unknown Hugging Face model 'bert'" in msg and "hf:gpt2, hf:llama" in msg
+    msg = _bad(capsys, "report", "--model", "hf:llama", "--size", "huge")
+    assert "unknown size 'huge' for hf:llama" in msg
+
+
+def test_report_user_factory_returning_an_hf_model(capsys, tmp_path):
+    """The MODULE:FUNCTION recipe with a user's own HF model: its decoder layers become the
+    blocks, HF's loss on labels=input_ids the output."""
+    _needs_transformers()
+    path = tmp_path / "my_hf.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        import transformers
+
+        def build():
+            cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=32,
+                                           intermediate_size=64, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=64,
+                                           max_position_embeddings=32, use_cache=False)
+            model = transformers.LlamaForCausalLM(cfg).train()
+            return model, (torch.randint(0, 64, (2, 8)),)
+    """))
+    rc = main(["report", "--model", f"{path}:build", "--no-compile", "--no-plot", "--steps",
+               "1", "--out", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert doc["meta"]["blocks"] == 3
+    rows = {r["key"]: r for r in doc["strategies"]}
+    assert rows["ours_eager"]["status"] == "ok" and rows["ours_eager"]["grad_diff"] == 0.0

@@ -17,9 +17,12 @@ if TYPE_CHECKING:
     from .._bench.runner import Target
 
 __all__ = ["UsageError", "build_parser", "parse_budget", "resolve_policy", "check_device",
-           "load_target", "FIXTURES"]
+           "load_target", "FIXTURES", "HF_MODELS"]
 
 FIXTURES = ("mlp", "gpt", "conv", "moe")
+#: ``--model hf:NAME``: Hugging Face models from small configs (``_bench.models``).
+HF_MODELS = ("gpt2", "llama", "mixtral")
+HF_INSTALL = "pip install 'sac_compile[integrations]'"
 DEFAULT_MODEL = "mlp"
 DEFAULT_SIZE = "test"
 
@@ -59,13 +62,15 @@ examples:
   python -m sac_compile report                      # the default: tiny MLP, all strategies
   python -m sac_compile report --model gpt --size bench --steps 10
   python -m sac_compile report --model my_models.py:build --policy recompute_all
+  python -m sac_compile report --model hf:llama    # HF Llama from a small config (no download)
   python -m sac_compile report --budget 0.5         # half of what ours saves unconstrained
   python -m sac_compile report --budget 64MiB       # an absolute byte count
 """
 
 _EXPLAIN_EPILOG = """\
-TARGET is a fixture name (mlp, gpt, conv, moe) or MODULE:FUNCTION / PATH.py:FUNCTION, where
-FUNCTION() returns (fn_or_model, example_inputs). The function's own sac_region/checkpoint
+TARGET is a fixture name (mlp, gpt, conv, moe), a Hugging Face model from a small config
+(hf:gpt2, hf:llama, hf:mixtral; needs transformers) or MODULE:FUNCTION / PATH.py:FUNCTION,
+where FUNCTION() returns (fn_or_model, example_inputs). The function's own sac_region/checkpoint
 calls decide what is saved; with --policy, every block of a model that has `.blocks` (or
 the whole function) runs in a region with that policy.
 
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--size", default=None, metavar="SIZE",
         help="fixture size: test (tiny, the default) or bench (the benchmark sizes); "
-             "gpt also has stack32. Ignored for MODULE:FUNCTION models")
+             "gpt also has stack32; hf:NAME models have test and bench. Ignored for "
+             "MODULE:FUNCTION models")
     common.add_argument("--seed", type=int, default=0,
                         help="seed of the model, the inputs and dropout (default 0)")
     common.add_argument(
@@ -110,9 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_REPORT_EPILOG)
     rep.add_argument(
         "--model", default=DEFAULT_MODEL, metavar="MODEL",
-        help=f"a fixture ({', '.join(FIXTURES)}; default {DEFAULT_MODEL}) or MODULE:FUNCTION / "
-             f"PATH.py:FUNCTION, a function returning (model, example_inputs); a model with a "
-             f"`.blocks` list is checkpointed per block, otherwise as a whole")
+        help=f"a fixture ({', '.join(FIXTURES)}; default {DEFAULT_MODEL}); a Hugging Face causal "
+             f"LM from a small config, no download ({', '.join('hf:' + m for m in HF_MODELS)}; "
+             f"needs {HF_INSTALL}); or MODULE:FUNCTION / PATH.py:FUNCTION, a function "
+             f"returning (model, example_inputs). A model with a `.blocks` list is "
+             f"checkpointed per block, an HF model (a PreTrainedModel) per decoder layer with "
+             f"HF's loss on labels=input_ids, anything else as a whole")
     rep.add_argument(
         "--budget", default="0.5", metavar="X",
         help="memory budget of the 'ours budget' row: a fraction in (0, 1] of the activation "
@@ -137,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "PartitionReport of each (saved values with the reason, recomputed ops) "
                     "and the difference between them.",
         epilog=_EXPLAIN_EPILOG)
-    exp.add_argument("target", metavar="TARGET", help="fixture name or MODULE:FUNCTION")
+    exp.add_argument("target", metavar="TARGET",
+                     help="fixture name, hf:NAME (a Hugging Face model) or MODULE:FUNCTION")
     exp.add_argument(
         "--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
         help="compiler for the compiled run: aot_eager (fast, no code generation; default) "
@@ -236,15 +246,58 @@ def _load_attr(text: str, flag: str) -> Any:
     return obj
 
 
+def _import_transformers(what: str) -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise UsageError(f"{what} needs Hugging Face transformers, which is not installed "
+                         f"({e}); install it with {HF_INSTALL}") from None
+    return transformers
+
+
+def _load_hf(spec: str, *, size: str | None, seed: int, device: str, flag: str) -> Target:
+    """``hf:NAME``: a Hugging Face model from a small config (``_bench.models``)."""
+    from .._bench.models import HF_SIZES, make_hf_model
+    from .._bench.runner import Target
+    name = spec[len("hf:"):]
+    if name not in HF_MODELS:
+        raise UsageError(f"{flag} {spec}: unknown Hugging Face model {name!r}; use one of "
+                         f"{', '.join('hf:' + m for m in HF_MODELS)}, or MODULE:FUNCTION "
+                         f"returning (your HF model, (input_ids,))")
+    size = size or DEFAULT_SIZE
+    if size not in HF_SIZES:
+        raise UsageError(f"unknown size {size!r} for {spec}; use one of {', '.join(HF_SIZES)}")
+    _import_transformers(f"{flag} {spec}")
+    model, inputs = make_hf_model(name, size=size, seed=seed, device=device)
+    return Target(spec, model, tuple(inputs), True, size)
+
+
+def _adapt_hf(spec: str, model: Any, flag: str) -> Any:
+    """A user's HF model (a ``PreTrainedModel``): its decoder layers as ``.blocks``, HF's
+    loss on ``labels=input_ids`` as the output (``_bench.models.HFCausalLM``)."""
+    from .._bench.models import HFCausalLM, is_hf_model
+    if not is_hf_model(model):
+        return model
+    try:
+        return HFCausalLM(model)
+    except ValueError as e:
+        raise UsageError(f"{flag} {spec}: {e}") from None
+
+
 def load_target(spec: str, *, size: str | None, seed: int, device: str,
                 flag: str = "--model") -> Target:
-    """A built-in model (``make_model``) or a user factory returning ``(model, example_inputs)``."""
+    """A built-in model (``make_model``), a Hugging Face model from a small config
+    (``hf:NAME``) or a user factory returning ``(model, example_inputs)``. A factory's
+    Hugging Face model is adapted: its decoder layers are the blocks, its loss the output."""
     import torch
 
     from .._bench.runner import Target
+    if spec.startswith("hf:"):
+        return _load_hf(spec, size=size, seed=seed, device=device, flag=flag)
     if ":" not in spec:
         if spec not in FIXTURES:
-            raise UsageError(f"unknown model {spec!r}; use one of {', '.join(FIXTURES)}, or "
+            raise UsageError(f"unknown model {spec!r}; use one of {', '.join(FIXTURES)}, "
+                             f"{', '.join('hf:' + m for m in HF_MODELS)}, or "
                              f"MODULE:FUNCTION / PATH.py:FUNCTION returning (model, inputs)")
         from .._bench.models import SIZES, make_model
         size = size or DEFAULT_SIZE
@@ -285,7 +338,7 @@ def load_target(spec: str, *, size: str | None, seed: int, device: str,
         raise UsageError(f"{flag} {spec!r}: example_inputs hold no tensor; return {shape} with "
                          f"at least one tensor input")
     if isinstance(model, torch.nn.Module):
-        model = model.to(device)
+        model = _adapt_hf(spec, model.to(device), flag)
     inputs = tuple(t.to(device).detach().requires_grad_(t.requires_grad)
                    if isinstance(t, torch.Tensor) and t.device.type != torch.device(device).type
                    else t for t in inputs)

@@ -1,7 +1,8 @@
 """``python -m sac_compile explain TARGET``: the ``PartitionReport`` of a function in eager
 mode and compiled, and the difference between the two.
 
-``TARGET`` is a fixture name or ``MODULE:FUNCTION`` returning ``(fn_or_model, inputs)``.
+``TARGET`` is a fixture name, ``hf:NAME`` (a Hugging Face model from a small config) or
+``MODULE:FUNCTION`` returning ``(fn_or_model, inputs)``.
 The function's own regions decide; ``--policy`` puts every block (or the whole function)
 in a region with that policy. Fixtures get ``--policy save_matmuls`` by default.
 """
