@@ -18,7 +18,7 @@ aten = torch.ops.aten
 
 def _gpt(policy, budget, **options):
     torch._dynamo.reset()
-    model, inputs = make_model("gpt", size="test", seed=0)
+    model, inputs = _gpt_without_dropout()
     for block in model.blocks:
         sac_region(policy)(block)
     reports = []
@@ -27,6 +27,16 @@ def _gpt(policy, budget, **options):
     torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
     return reports[0], grads_of(model, inputs)
+
+
+def _gpt_without_dropout():
+    """The GPT fixture with dropout 0: recomputing a random op on the CPU keeps the CPU
+    generator's whole state (5 KiB), which would set the floor of these small budgets."""
+    model, inputs = make_model("gpt", size="test", seed=0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, inputs
 
 
 def test_untagged_ops_outside_regions_no_longer_set_a_floor_under_a_budget():
@@ -45,7 +55,7 @@ def test_untagged_ops_outside_regions_no_longer_set_a_floor_under_a_budget():
     assert report.activation_bytes <= report.budget_bytes
     assert any("untagged ops recomputed that torch's partitioner would keep" in n
                for n in report.notes), report.notes
-    model, inputs = make_model("gpt", size="test", seed=0)
+    model, inputs = _gpt_without_dropout()
     assert max_grad_diff(reference_grads(model, inputs, seed=0), grads) <= 1e-5
 
 
@@ -189,3 +199,38 @@ def test_region_activation_memory_budget_is_honoured_per_region():
     assert any(n.startswith("region_activation_memory_budget(0):") for n in report.notes)
     _, kept = _region_budget_run((1.0, 0.0))
     assert kept == {"A": free["A"], "B": 0}
+
+
+def test_recomputed_random_ops_count_their_rng_state():
+    """On the CPU, replaying a dropout keeps the generator's state (5,056 bytes): the cut
+    counts it (a small dropout is then saved, not recomputed), the report lists it, and an
+    unreachable budget says so."""
+    def recompute(ctx, op, *args, **kwargs):
+        return CP.PREFER_RECOMPUTE
+
+    @sac_region(recompute, name="D")
+    def block(x, w):
+        return F.dropout(x @ w, 0.5, training=True).sin()
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    backend, cap = _capture()
+    torch.compile(block, backend=backend)(x, w).sum().backward()
+    assert "aten.native_dropout.default" not in cap["report"].recomputed
+    # a dropout over a value larger than the state is recomputed, and its state is listed
+    torch._dynamo.reset()
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    backend, cap = _capture()
+    torch.compile(block, backend=backend)(x, w).sum().backward()
+    report = cap["report"]
+    assert "aten.native_dropout.default" in report.recomputed
+    (state,) = [s for s in report.saved if s.op == "RNG state"]
+    assert state.nbytes == torch.get_rng_state().numel() and not state.is_input
+    assert report.activation_bytes == state.nbytes  # all the cut keeps besides the inputs
+    # the state is the floor of a budget: the error says so
+    torch._dynamo.reset()
+    backend, cap = _capture(memory_budget=0.5)
+    with pytest.raises(CheckpointError, match="the RNG states of the random ops it recomputes"):
+        torch.compile(block, backend=backend)(x, w).sum().backward()

@@ -94,7 +94,8 @@ def test_budgeted_cuts_are_optimal_on_the_fixtures(monkeypatch, model_name, poli
     model, inputs = make_model(model_name, size="test", seed=0)
     ref = reference_grads(model, inputs, seed=0)
     gaps = []
-    for b in (0.9, 0.7, 0.5, 0.3, 0.15):
+    # (0.22: just above the GPT fixture's floor, its dropouts' CPU RNG states)
+    for b in (0.9, 0.7, 0.5, 0.3, 0.22):
         seen, grads = _networks(monkeypatch, model_name, policy, b)
         assert seen
         for net, res in seen:

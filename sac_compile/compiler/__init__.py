@@ -3,14 +3,19 @@ and the ``torch.compile`` backends.
 
 Modules, one concern each:
 
-* :mod:`.tagging` - the dispatch mode that writes each op's decision into the joint graph;
-  the ``sac_compile::tag`` / ``sac_compile::name`` marker ops.
+* :mod:`.tagging` - the dispatch mode that writes each op's decision into the joint graph.
+* :mod:`.markers` - the ``tag()``/``name()`` marker ops under compile (a ``SaveWithHooks``
+  opinion registered and named in the marker's string).
 * :mod:`.roles` - what a graph input is (forward input, parameter, tangent, RNG state).
 * :mod:`.normalize` - the FX passes that turn the raw tags into final decisions.
 * :mod:`.costs` - bytes, FLOPs and memory traffic of one node.
 * :mod:`.network` - the flow network and its objective (the formulation, one screen).
 * :mod:`.solvers` - scipy's and networkx's max-flow, and the minimum cut they give.
-* :mod:`.budget` - what a memory budget is, and the search for the cut that meets it.
+* :mod:`.budget` - what a memory budget is, and the search for the cut that meets it
+  (also torch's per-region budgets).
+* :mod:`.exact` - the exact program (scipy's MILP) that makes a budgeted cut optimal.
+* :mod:`.storage`, :mod:`.offload`, :mod:`.save_hooks` - how kept values are stored: on
+  the host (torch's offload pass), packed by traced hooks.
 * :mod:`.reasons` - why a value is saved or cannot be recomputed: a kind and a text.
 * :mod:`.partition` - :class:`SACPartitioner`, torch's ``CustomPartitionerFn``.
 * :mod:`.backend` - ``sac_backend`` and ``make_backend``.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import time
 from typing import Any
@@ -207,8 +208,9 @@ def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None 
     if low.nbytes > cap:
         # Keeps its type and message through Dynamo (a CheckpointError, not wrapped).
         from .tagging import CompiledCheckpointError
+        rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed)
         raise CompiledCheckpointError(
-            _explain_budget(net, low.kept, budget, cap, low.nbytes, base.nbytes)) from None
+            _explain_budget(net, low.kept, budget, cap, low.nbytes, base.nbytes, rng)) from None
     best, over = low, base
     lo, hi = math.log(w_min), 0.0
     for _ in range(BISECT_STEPS):
@@ -271,7 +273,10 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
                    and _is_activation(net, idx[v])}
         if not members:
             continue
-        most = sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in members)
+        def rng(cut: Cut) -> float:
+            return sum(net.recompute_bytes.get(i, 0.0) for i in cut.recomputed if i in members)
+
+        most = sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in members) + rng(base)
         edges = []
         for u, v, c in net.capacities(w_min, TILT):
             i = u // 2
@@ -281,14 +286,15 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
             edges.append((u, v, c))
         low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
         least = sum(bytes_ for v, bytes_ in zip(low.kept, net.device_bytes(low.kept, w_min))
-                    if idx[v] in members)
+                    if idx[v] in members) + rng(low)
         cap = least + b * max(most - least, 0)
         group_caps.append((sorted(members), cap))
         lines.append(f"region_activation_memory_budget({b:g}): {len(members)} values, cap "
                      f"{fmt_bytes(cap)} (least {fmt_bytes(least)}, unconstrained "
                      f"{fmt_bytes(most)})")
-    fits = all(sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in set(m)) <= cap
-               for m, cap in group_caps) and (cap_all is None or base.nbytes <= cap_all)
+    fits = all(sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in set(m))
+               + sum(net.recompute_bytes.get(i, 0.0) for i in base.recomputed if i in set(m))
+               <= cap for m, cap in group_caps) and (cap_all is None or base.nbytes <= cap_all)
     if fits:
         res = BudgetResult(base.kept, budget if budget is not None else 1.0,
                            cap_all if cap_all is not None else base.nbytes, base.nbytes,
@@ -337,7 +343,9 @@ def _cut(net: FlowNetwork, problem: Any, objective: Any, side: set[int], w: floa
     recomputed = {i for i in range(len(net.cls.nodes))
                   if 2 * i not in side and problem.recompute[i] not in (0, INF)}
     cost, _ = objective(problem, {idx[v] for v in kept}, {idx[v] for v in on_host}, recomputed)
-    return Cut(kept, on_host, _activation_bytes(net, kept, w), cost, w, frozenset(recomputed))
+    rng = sum(net.recompute_bytes.get(i, 0.0) for i in recomputed)
+    return Cut(kept, on_host, int(_activation_bytes(net, kept, w) + rng), cost, w,
+               frozenset(recomputed))
 
 
 def _exact_cut(net: FlowNetwork, problem: Any, cap: float, best: Cut) -> tuple[Cut, str] | None:
@@ -417,7 +425,7 @@ def _blocking_bans(net: FlowNetwork, v: fx.Node) -> list[fx.Node]:
 
 
 def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int, cap: float,
-                    min_bytes: int, base_bytes: int) -> str:
+                    min_bytes: int, base_bytes: int, rng_bytes: float = 0.0) -> str:
     from ..report import fmt_bytes
     idx = net.cls.index
 
@@ -429,9 +437,14 @@ def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int,
                   key=lambda v: -net.save_cost[idx[v]])
     items, kinds = [], []
     for v in acts[:5]:
+        base = v.args[0] if v.target is operator.getitem and v.args else v
         if v in net.ban_reason and idx[v] not in net.lifted_under_budget:
             why = net.ban_reason[v]
             kinds.append(kind_of(why))
+        elif idx.get(base) in net.recompute_bytes:
+            rng = net.recompute_bytes[idx[base]]
+            why = (f"a random op: recomputing it keeps its generator's RNG state, "
+                   f"{fmt_bytes(rng)} (a CPU generator's whole state), more than its outputs")
         else:
             blockers = _blocking_bans(net, v)
             kinds.extend(kind_of(net.ban_reason[b]) for b in blockers)
@@ -441,6 +454,9 @@ def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int,
                    ) if blockers else "kept so that others can be recomputed"
         items.append(f"{v.name} ({costs.op_label(v)}, {fmt_bytes(net.save_cost[idx[v]])}"
                      f"{where(v)}: {why})")
+    if rng_bytes:
+        items.append(f"the RNG states of the random ops it recomputes ({fmt_bytes(rng_bytes)}"
+                     f"; a CPU generator's state is 5,056 bytes, an accelerator's 16)")
     given = (f"{budget_label(budget)} of {fmt_bytes(base_bytes)} = {fmt_bytes(cap)}"
              if isinstance(budget, float) else fmt_bytes(cap))
     ratio = f"{min_bytes / base_bytes:.3g}" if base_bytes else ""

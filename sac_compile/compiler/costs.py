@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from ..op_costs import hint as _hint
 from ..op_costs import op_flops
 
-__all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "is_sym", "is_opaque",
+__all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "rng_state_bytes", "is_sym", "is_opaque",
            "op_label"]
 
 
@@ -129,6 +129,18 @@ def _dropout_p(node: fx.Node) -> Any:
                     return 0
             return value if isinstance(value, (int, float)) else None
     return None
+
+
+def rng_state_bytes(node: fx.Node) -> int:
+    """Bytes of the RNG state kept for the backward when the random op ``node`` is
+    recomputed (torch's RNG functionalisation saves its generator's state): the CPU
+    generator's whole state (5,056 bytes), an accelerator's seed and offset (16)."""
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if isinstance(val, torch.Tensor) and val.device.type == "cpu":
+        return int(torch.get_rng_state().numel())
+    return 16
 
 
 def op_label(node: fx.Node) -> str:

@@ -10,7 +10,8 @@ same network (:mod:`.network`) is solved exactly with scipy's ``milp`` (HiGHS):
 * node ``i`` is kept when ``x[in_i] - x[out_i] = 1``: on the device (``d_i`` in {0, 1},
   ``save_i`` device bytes) or on the host (``h_i`` in [0, 1], cost ``offload_i``),
   ``d_i + h_i >= x[in_i] - x[out_i]``;
-* budget: ``sum over activations of save_i * d_i <= B``;
+* budget: ``sum over activations of save_i * d_i`` + the RNG state bytes of recomputed
+  random ops ``<= B``;
 * minimise ``K`` = recompute + offload + kept input bytes (the rest of the objective), plus
   a tie-break of ``1e-9`` per device byte kept.
 
@@ -39,6 +40,7 @@ class ExactProblem:
     offload: Sequence[float]               # cost of keeping on the host (INF: cannot)
     recompute: Sequence[float]             # cost of recomputing (INF: cannot; 0: free)
     is_input: Sequence[bool]               # a graph input: its bytes are cost, not budget
+    recompute_bytes: dict[int, float] = dataclasses.field(default_factory=dict)  # RNG states
 
     @property
     def n(self) -> int:
@@ -51,7 +53,7 @@ class ExactProblem:
         for i, c in net.lifted_under_budget.items():
             recompute[i] = c
         return cls(net.structure, net.save_cost, net.offload_cost, recompute,
-                   [v.op == "placeholder" for v in net.cls.nodes])
+                   [v.op == "placeholder" for v in net.cls.nodes], dict(net.recompute_bytes))
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ def objective(p: ExactProblem, kept: set[int], on_host: set[int],
     cost += sum(p.offload[i] for i in on_host)
     cost += sum(p.save[i] for i in kept - on_host if p.is_input[i])
     acts = sum(p.save[i] for i in kept - on_host if not p.is_input[i])
+    acts += sum(p.recompute_bytes.get(i, 0.0) for i in recomputed)
     return cost, acts
 
 
@@ -112,7 +115,6 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
 
     for a, b in p.structure:
         row([(a, 1.0), (b, -1.0)], -np.inf, 0.0)          # x[a] <= x[b]
-    budget_row: list[tuple[int, float]] = []
     for i in range(n):
         vin, vout = 2 * i, 2 * i + 1
         rec, save, off = p.recompute[i], p.save[i], p.offload[i]
@@ -134,16 +136,24 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
             c[D + i] = save
         elif save != INF:
             c[D + i] = TIE_BREAK * save
-            if save > 0:
-                budget_row.append((D + i, save))
         row([(D + i, 1.0), (H + i, 1.0), (vin, -1.0), (vout, 1.0)], 0.0, np.inf)
-    if budget_row and budget_bytes is not None:
-        row(budget_row, -np.inf, float(budget_bytes))
-    for members, group_cap in group_caps:
+    def budget_entries(members: Sequence[int]) -> tuple[list[tuple[int, float]], float]:
+        # device bytes kept: save_i * d_i, and a recomputed random op's RNG state
+        # rb_i * (1 - x[in_i]) = rb_i - rb_i * x[in_i] (the constant goes to the bound)
         entries = [(D + i, p.save[i]) for i in members
                    if not p.is_input[i] and p.save[i] not in (0, INF)]
+        rng = [(2 * i, -p.recompute_bytes[i]) for i in members if i in p.recompute_bytes]
+        return entries + rng, sum(p.recompute_bytes[i] for i in members
+                                  if i in p.recompute_bytes)
+
+    if budget_bytes is not None:
+        entries, shift = budget_entries(range(n))
         if entries:
-            row(entries, -np.inf, float(group_cap))
+            row(entries, -np.inf, float(budget_bytes) - shift)
+    for members, group_cap in group_caps:
+        entries, shift = budget_entries(members)
+        if entries:
+            row(entries, -np.inf, float(group_cap) - shift)
     a = coo_array((vals, (rows, cols)), shape=(len(rlo), nvar)).tocsr()
     res = milp(c, integrality=integrality, bounds=Bounds(lo, hi),
                constraints=LinearConstraint(a, rlo, rhi),

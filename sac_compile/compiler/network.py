@@ -12,7 +12,8 @@ need no tangent) becomes two vertices ``v_in -> v_out``. After the cut, the sour
   (``offload(v)`` = ``w * bytes * device_bw / host_bw``: its transfer time, in the units of
   the recompute cost; no device memory). A kept value is offloaded when that is cheaper.
 * ``source -> v_in``, capacity ``recompute(v)``: cut when ``v_in`` is on the sink side, i.e.
-  ``v`` is **recomputed** in backward.
+  ``v`` is **recomputed** in backward (a random op adds the bytes of the RNG state kept to
+  replay it).
 * ``u_out -> v_in`` (infinite) for each data edge: what ``v`` needs must be there too.
 * ``v_out -> sink`` (infinite) when a backward op (anything depending on a tangent) uses ``v``.
 
@@ -167,6 +168,8 @@ class FlowNetwork:
     # Untagged ops upstream would not recompute (heuristic bans): their recompute cost
     # under a memory budget (w < 1), where the budget asks for memory first.
     lifted_under_budget: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Device bytes that recomputing node i keeps: a random op's RNG state.
+    recompute_bytes: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def source(self) -> int:
@@ -197,7 +200,8 @@ class FlowNetwork:
             if w < 1.0 and i in self.lifted_under_budget:
                 rec = self.lifted_under_budget[i]
             if rec > 0:
-                edges.append((src, 2 * i, rec if w == 1.0 else rec * w * (1 - tilt * i / n)))
+                rec = rec if w == 1.0 else rec * w * (1 - tilt * i / n)
+                edges.append((src, 2 * i, rec + self.recompute_bytes.get(i, 0.0)))
         return edges
 
     def offloaded(self, kept: list[fx.Node], w: float = 1.0) -> list[fx.Node]:
@@ -270,6 +274,7 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
     fwd_outputs = {o for o in cls.fwd_outputs if isinstance(o, fx.Node)}
     structure: list[tuple[int, int]] = []
     soft: dict[int, float] = {}
+    rng_bytes: dict[int, float] = {}
     save_cost: list[float] = []
     offload_cost: list[float] = []
     recompute_cost: list[float] = []
@@ -320,6 +325,8 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             rec = cost.recompute_cost(v)
             if policy in (P.PREFER_RECOMPUTE, P.MUST_RECOMPUTE):
                 rec *= cost.prefer_recompute_discount
+            if costs.is_random(v):
+                rng_bytes[i] = float(costs.rng_state_bytes(v))
         # -- keeping v on the host
         offload = INF
         marked = dec is not None and dec.offloads
@@ -339,4 +346,5 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
                 structure.append((vout, 2 * j))
         if v in cls.needed_in_bw:
             structure.append((vout, sink))
-    return FlowNetwork(cls, structure, save_cost, offload_cost, recompute_cost, bans, soft)
+    return FlowNetwork(cls, structure, save_cost, offload_cost, recompute_cost, bans, soft,
+                       rng_bytes)

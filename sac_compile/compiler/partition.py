@@ -40,8 +40,8 @@ __all__ = ["SACPartitioner"]
 
 P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
-_HASHED_MODULES = ("tagging", "normalize", "roles", "costs", "network", "solvers", "budget",
-                   "reasons", "partition")
+_HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
+                   "budget", "exact", "reasons", "partition")
 
 
 def _code_hash() -> str:
@@ -268,6 +268,15 @@ class SACPartitioner(CustomPartitionerFn):
                  and not costs.is_sym(joint[name])
                  and not costs.is_opaque(joint[name])]
         names = set(saved_names)
+        rng_states = [n for n in bw.graph.find_nodes(op="placeholder")
+                      if n.name not in joint and n.name.startswith("rng_state")]
+        for node in rng_states:  # added by torch's RNG functionalisation
+            val = node.meta.get("val")
+            on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
+            report.saved.append(SavedTensorRecord(
+                node.name, "RNG state", int(torch.get_rng_state().numel()) if on_cpu else 16,
+                Reason(ReasonKind.RNG_STATE, "generator state saved so that a recomputed "
+                                             "random op draws the same numbers")))
         for node in saved:
             report.saved.append(SavedTensorRecord(
                 node.name, costs.op_label(node), costs.nbytes(node),

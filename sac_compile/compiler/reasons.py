@@ -20,6 +20,7 @@ class ReasonKind(enum.Enum):
     PREFER_SAVE = "prefer save"              # a PREFER_SAVE / PREFER_CPU_OFFLOAD decision
     MIN_CUT = "min-cut"                      # no decision: the cut found saving it cheapest
     RECOMPUTE_OVERRIDDEN = "recompute overridden"  # a *_RECOMPUTE decision the cut overrode
+    RNG_STATE = "rng state"                  # the generator state a recomputed random op replays
     # -- why a value is recomputed against its decision (PartitionReport.evicted)
     EVICTED_BY_BUDGET = "evicted by budget"
     # -- why a value cannot be recomputed (the flow network's bans)
