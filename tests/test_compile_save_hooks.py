@@ -196,3 +196,25 @@ def test_inductor_gradients_agree_with_eager_hooks():
     loss_fn(compiled(*inputs)).backward()
     assert _rel_diff(grads_of(model, inputs), eager) <= 2e-2
     assert any("4 values packed" in n for n in reports[0].notes)
+
+
+def test_an_in_place_change_of_a_region_input_after_the_forward_raises_as_autograd_does():
+    """Around the region: the input the packed matmul reads is changed before backward.
+    The compiled split keeps that input (hooks pack only the matmul's output): autograd's
+    version check raises, as without checkpointing - never a silently wrong gradient."""
+    torch._dynamo.reset()
+    hooks = SaveWithHooks(to_bf16, from_bf16)
+
+    @sac_region(lambda ctx, op, *a, **k: hooks if op is torch.ops.aten.mm.default else None,
+                name="H")
+    def block(x, w):
+        return (x @ w).sin() @ w
+
+    f = torch.compile(block, backend=make_backend(compiler="aot_eager"))
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    h = x * 1
+    out = f(h, w)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
