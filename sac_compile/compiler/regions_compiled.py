@@ -60,6 +60,8 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
     through the eager runtime, whose saved-tensor hooks take over from torch's checkpoint
     (nothing is left for torch to recompute, so the user's Python runs once)."""
     if torch.compiler.is_compiling():
+        if _untraceable_hooks(name, policy):
+            torch._dynamo.graph_break()  # the region then runs through the eager runtime
         return fn(*args, **kwargs)
     from .. import runtime
     from ..policy import normalize_policy
@@ -69,6 +71,34 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
         return fn(*args, **kwargs)
     with runtime.eager_region(frame, allow):
         return fn(*args, **kwargs)
+
+
+_HOOKS_FALLBACK: set[str] = set()  # regions run eagerly for their hooks (one warning, not two)
+
+
+@torch.compiler.assume_constant_result
+def _untraceable_hooks(name: str, policy: Any) -> bool:
+    """Whether the region's policy can return ``SaveWithHooks`` that cannot be traced into
+    the compiled graphs (Python on tensor values, ``.item()``...). Such a region runs
+    through the eager runtime, where hooks run as Python; warned once per region. Run
+    once per trace (a constant to Dynamo)."""
+    from ..policy import normalize_policy
+    from .save_hooks import untraceable_hooks
+    try:
+        why = untraceable_hooks(normalize_policy(policy))
+    except Exception:  # an unusual policy object: the partitioner still checks each value
+        return False
+    if why is None:
+        return False
+    _HOOKS_FALLBACK.add(name)
+    warn_once_per_region(
+        "untraceable-hooks", name,
+        f"sac_region {name!r}: {why}; under torch.compile hooks are traced into the compiled "
+        f"graphs, so this region runs through the eager runtime instead (correct, not "
+        f"compiled). To compile it, write pack/unpack as torch code on tensors without "
+        f".item() or Python branches on values (warned once per region)", stacklevel=2)
+    log.info("sac_compile: region %r runs through the eager runtime: %s", name, why)
+    return True
 
 
 def checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any,
@@ -128,8 +158,8 @@ def _is_ours(context_fn: Any) -> bool:
 def quiet_torch_context_fn_warning() -> None:
     """Wrap ``torch._higher_order_ops.wrap.warning_once`` (idempotent): its context_fn
     warning is skipped when the caller's ``context_fn`` (the ``tag_activation_checkpoint``
-    implementation's local) is ours; every other call goes to torch's ``warning_once``
-    unchanged, cache included."""
+    implementation's local, or on torch 2.11 its ``gmod.meta["_checkpoint_context_fn"]``)
+    is ours; every other call goes to torch's ``warning_once`` unchanged, cache included."""
     try:
         from torch._higher_order_ops import wrap
     except ImportError:  # pragma: no cover
@@ -141,8 +171,12 @@ def quiet_torch_context_fn_warning() -> None:
     @functools.wraps(original)
     def warning_once(logger_obj: Any, *args: Any, **kwargs: Any) -> None:
         if args and _CONTEXT_FN_WARNING in str(args[0]):
-            caller = sys._getframe(1)
-            if _is_ours(caller.f_locals.get("context_fn")):
+            caller = sys._getframe(1).f_locals
+            context_fn = caller.get("context_fn")
+            if context_fn is None:  # torch 2.11 reads it from the graph after the warning
+                gmod = caller.get("gmod")
+                context_fn = getattr(gmod, "meta", {}).get("_checkpoint_context_fn")
+            if _is_ours(context_fn):
                 return None
         return original(logger_obj, *args, **kwargs)
 
@@ -159,6 +193,8 @@ def note_eager_fallback(frame: RegionFrame) -> None:
     but not what the user compiled for, so it must not pass unseen."""
     message = ("sac_compile: region %r graph-broke under torch.compile; it runs through "
                "the eager runtime (correct, but not compiled)")
+    if frame.name in _HOOKS_FALLBACK:  # already said why (untraceable hooks)
+        return
     if warn_once_per_region(
             "graph break", frame.name,
             message % (frame.name,) + ". TORCH_LOGS=graph_breaks shows where; a common cause "

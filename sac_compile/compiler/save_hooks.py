@@ -23,6 +23,7 @@ appending to a list) run once, while tracing, not per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -31,9 +32,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..policy import SaveWithHooks
-from .offload import torch_api
+from .offload import hooks_api
 
-__all__ = ["UntraceableHooks", "TracedHooks", "trace_hooks", "apply_hooks"]
+__all__ = ["UntraceableHooks", "TracedHooks", "trace_hooks", "apply_hooks", "reachable_hooks",
+           "untraceable_hooks"]
 
 
 class UntraceableHooks(Exception):
@@ -71,7 +73,7 @@ def _check_graph(gm: fx.GraphModule, what: str) -> None:
 
 def trace_hooks(hooks: SaveWithHooks, val: torch.Tensor) -> TracedHooks:
     """Trace ``hooks`` on the fake value ``val``; :class:`UntraceableHooks` says why not."""
-    api = torch_api()
+    api = hooks_api()
     spec: list[Any] = []
 
     def pack_flat(t: torch.Tensor) -> list[torch.Tensor]:
@@ -151,7 +153,7 @@ def _copy_into(graph: fx.Graph, owner: fx.GraphModule, sub: fx.GraphModule,
                inputs: list[fx.Node], prefix: str) -> list[fx.Node]:
     """Copy ``sub``'s nodes into ``graph`` at the current insertion point, its placeholders
     bound to ``inputs``; returns the nodes of its outputs (flat)."""
-    api = torch_api()
+    api = hooks_api()
     env: dict[fx.Node, Any] = {}
     placeholders = sub.graph.find_nodes(op="placeholder")
     for p, node in zip(placeholders, inputs):
@@ -180,7 +182,7 @@ def apply_hooks(fw: fx.GraphModule, bw: fx.GraphModule, traced: dict[str, Traced
     """Put each saved value's traced pack into ``fw`` and unpack into ``bw`` (``traced``:
     saved value name -> its traced hooks). Returns name -> (first pack node, first unpack
     node) names."""
-    api = torch_api()
+    api = hooks_api()
     fgraph, bgraph = fw.graph, bw.graph
     output = fgraph.find_nodes(op="output")[0]
     outs = list(output.args[0])
@@ -226,3 +228,78 @@ def apply_hooks(fw: fx.GraphModule, bw: fx.GraphModule, traced: dict[str, Traced
     fw.recompile()
     bw.recompile()
     return placed
+
+
+# --------------------------------------------------------------------------------------
+# Before tracing: hooks a region's policy can return that cannot be traced
+# --------------------------------------------------------------------------------------
+
+def reachable_hooks(policy: Any, depth: int = 4) -> list[SaveWithHooks]:
+    """The ``SaveWithHooks`` objects a policy can return, as far as can be seen without
+    calling it: in its closure, the globals its code reads, the policies it wraps
+    (``NamedPolicy.fn``, ``functools.partial``, ``compose``'s list), a few levels deep."""
+    found: dict[int, SaveWithHooks] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> None:
+        if id(obj) in seen or level > depth:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, SaveWithHooks):
+            found.setdefault(id(obj), obj)
+            return
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                visit(item, level + 1)
+            return
+        if isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, level + 1)
+            return
+        for attr in ("fn", "func", "__wrapped__"):
+            inner = getattr(obj, attr, None)
+            if inner is not None and inner is not obj:
+                visit(inner, level + 1)
+        if isinstance(obj, functools.partial):
+            for item in obj.args:
+                visit(item, level + 1)
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            return
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                visit(cell.cell_contents, level + 1)
+            except ValueError:  # an empty cell
+                pass
+        globals_ = getattr(obj, "__globals__", {})
+        for name in code.co_names:
+            if name in globals_:
+                value = globals_[name]
+                if isinstance(value, (SaveWithHooks, list, tuple, set, frozenset, dict)) or \
+                        callable(value) and getattr(value, "__module__", None) == \
+                        getattr(obj, "__module__", None):
+                    visit(value, level + 1)
+
+    visit(policy, 0)
+    return list(found.values())
+
+
+PROBE_SHAPE = (8, 8)  # the float32 fake value the hooks are tried on before tracing
+
+
+def untraceable_hooks(policy: Any) -> str | None:
+    """Why one of the hooks a policy can return cannot be traced into compiled graphs
+    (tried on a small float32 fake tensor: pack's Python runs once more, on it), or None. Hooks that trace on this probe but not
+    on a region's real values still raise the partitioner's ``CheckpointError``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for hooks in reachable_hooks(policy):
+        try:
+            with FakeTensorMode():
+                probe = torch.empty(PROBE_SHAPE)
+            trace_hooks(hooks, probe)
+        except UntraceableHooks as e:
+            return f"{hooks!r}: {e}"
+        except Exception:  # the probe itself is not representative (a dtype check, say)
+            continue
+    return None
