@@ -30,6 +30,8 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/eager_overhead.py
 	$(PY) benchmarks/partition.py
+	$(PY) benchmarks/pareto.py --quick
+	$(PY) benchmarks/offload.py
 
 # >= 2,000 random programs (eager and compiled) against no checkpointing; prints counts and,
 # on a failure, a shrunk standalone repro.
