@@ -33,16 +33,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from sac_compile import policies, sac_region
-from sac_compile.compiler import SACPartitioner, costs, network
+from sac_compile.compiler import SACPartitioner, costs
 from sac_compile.compiler.tagging import sac_partitioning
-
-#: Until ``network._upstream_ban`` applies its bans only to nodes the forward needs (the
-#: proposed fix takes ``needed_in_forward``), the cut keeps the one-hot: these tests fail.
-#: Once it does, the mark is a no-op (and can go).
-needs_forward_only_bans = pytest.mark.xfail(
-    "needed_in_forward" not in inspect.signature(network._upstream_ban).parameters,
-    reason="network._upstream_ban bans recomputing nodes only the backward needs", strict=True)
-
 
 # --------------------------------------------------------------------------------------
 # Both partitioners on one joint graph
@@ -228,7 +220,6 @@ def _head_case(region: bool, **options) -> BothPartitioners:
     return part
 
 
-@needs_forward_only_bans
 def test_loss_outside_a_region_keeps_no_more_than_upstream(fresh_dynamo):
     part = _head_case(region=True)
     assert_no_worse(part.pairs)
@@ -238,7 +229,6 @@ def test_loss_outside_a_region_keeps_no_more_than_upstream(fresh_dynamo):
     assert not [op for op, _, _ in ours.kept.values() if op == "aten.eq.Tensor"], ours
 
 
-@needs_forward_only_bans
 def test_untagged_graph_through_our_min_cut_keeps_no_more_than_upstream(fresh_dynamo):
     """No region at all, and no delegation to upstream: our cut alone, on untagged nodes."""
     part = _head_case(region=False, delegate_untagged=False)
@@ -266,7 +256,6 @@ def test_expanded_input_is_read_at_its_base_size():
 # Hugging Face Llama with HF's loss, as Inductor partitions it
 # --------------------------------------------------------------------------------------
 
-@needs_forward_only_bans
 def test_hf_llama_loss_keeps_no_more_than_upstream(fresh_dynamo):
     transformers = pytest.importorskip(
         "transformers", minversion="4.40",

@@ -217,13 +217,19 @@ class FlowNetwork:
         return [0.0 if v in host else self.save_cost[idx[v]] for v in kept]
 
 
-def _upstream_ban(node: fx.Node, op_types: Any) -> Reason | None:
-    """Upstream's default reasons not to recompute an untagged op."""
+def _upstream_ban(node: fx.Node, op_types: Any, *, needed_in_forward: bool) -> Reason | None:
+    """Upstream's default reasons not to recompute an untagged op. As upstream, they apply
+    only to a node the forward's outputs need (``is_required_fw``): one only the backward
+    needs (an "unclaimed" node, e.g. the one-hot of Inductor's ``nll_loss_backward``) runs
+    once either way, and is computed in backward unless keeping it is cheaper. A random op
+    is banned either way: run in backward, it would draw other numbers."""
     if costs.is_view(node) or node.target is operator.getitem:
         return None
     text = None
     if costs.is_random(node):  # (not op_types.is_random: SDPA with dropout_p=0 is not)
         text = "random op"
+    elif not needed_in_forward:
+        return None
     elif op_types.is_compute_intensive(node):
         text = "compute intensive op"
     elif not op_types.is_recomputable(node):
@@ -232,6 +238,30 @@ def _upstream_ban(node: fx.Node, op_types: Any) -> Reason | None:
                                       if isinstance(a, fx.Node)):
         text = "reduction op"
     return None if text is None else Reason(ReasonKind.UPSTREAM_BAN, text)
+
+
+def _tie_break(v: fx.Node) -> bool:
+    """Whether keeping ``v`` costs one byte more than its size. Cuts that keep the same
+    bytes tie - the three outputs of a split or the matmul they split, a view of a value
+    to offload or a same-size pointwise op of it - and the max-flow would pick one by
+    accident of graph order. One byte makes the choice, the same way every time: a value
+    the policy decided to save, and a view of a value to offload or pack (the storage
+    pass keeps its base), win over anything else."""
+    dec = v.meta.get("sac_decision")
+    base = v
+    while isinstance(base, fx.Node) and base.op == "call_function" and base.args and (
+            costs.is_view(base) or base.target is operator.getitem):
+        if base is not v:
+            bdec = base.meta.get("sac_decision")
+            if bdec is not None and bdec.saves and (bdec.offloads or bdec.hooks is not None):
+                return False
+        base = base.args[0]
+    if base is not v:  # a view of a value without a storage decision
+        bdec = base.meta.get("sac_decision") if isinstance(base, fx.Node) else None
+        if bdec is not None and bdec.saves and (bdec.offloads or bdec.hooks is not None):
+            return False
+        return True
+    return not (dec is not None and dec.saves)
 
 
 def _effectful_reason(node: fx.Node) -> Reason | None:
@@ -292,6 +322,8 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             save = float(packed_bytes[v])
         elif isinstance(val, torch.Tensor) or costs.is_sym(v):
             save = float(costs.nbytes(v))
+            if v.op == "call_function" and _tie_break(v):
+                save += 1.0
         elif costs.is_opaque(v):
             save = 0.0  # BackwardState, script/opaque objects: passed along, as upstream
         else:
@@ -311,7 +343,7 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
         elif costs.is_random(v) and not rng_functionalized:
             reason = Reason(ReasonKind.RANDOM, "random op (RNG not functionalised)")
         elif policy is None:
-            reason = _upstream_ban(v, op_types)
+            reason = _upstream_ban(v, op_types, needed_in_forward=v in cls.required_fw)
         if reason is not None and v.op != "get_attr":
             bans[v] = reason
             rec = INF

@@ -27,9 +27,9 @@ from ..policy import CheckpointPolicy
 from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
-from .budget import (budget_label, check_budget, region_budget_annotations, solve_with_budget,
-                     solve_with_region_budgets)
+from .budget import budget_label, check_budget, solve_with_budget
 from .network import CostModel, build_flow_network, classify
+from .region_budgets import region_budget_annotations, solve_with_region_budgets
 from .normalize import normalize_tags
 from .reasons import Reason, ReasonKind
 from .roles import Role, node_role, static_inputs
@@ -41,7 +41,7 @@ __all__ = ["SACPartitioner"]
 P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 _HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
-                   "budget", "exact", "reasons", "partition")
+                   "budget", "region_budgets", "exact", "reasons", "partition")
 
 
 def _code_hash() -> str:

@@ -216,6 +216,7 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
     summary: dict[str, Any] = {"unkept": [f"{d.name} ({_decision_label(d)})" for d in unkept]}
     gm.meta[SUMMARY_KEY] = summary
     cut_offloads = [name for name in kept if name in host and name not in items]
+    from .offload import TorchAPIMissing, refusal
     if not items and not cut_offloads:
         return
 
@@ -228,7 +229,6 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
     for name in kept:
         if name in cut_offloads:
             # Chosen by the cut (network.can_leave_device checked what torch's pass checks).
-            from .offload import TorchAPIMissing, refusal
             try:
                 why = refusal(fw_nodes[name], fwd_outs, num_fwd_outputs, static_fw)
             except TorchAPIMissing as e:
@@ -252,7 +252,6 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
             prefix = (f"stands in for {d.name} ({costs.op_label(d)}: {dec.reason()}; the cut "
                       f"keeps this later value of {fmt_bytes(costs.nbytes(s))} in its place)")
         if dec.hooks is not None:
-            from .offload import TorchAPIMissing
             from .save_hooks import UntraceableHooks
             try:
                 traced = _traced_hooks(gm, dec.hooks, val)
@@ -271,7 +270,6 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
                                                 f"offload is a plain save)",
                                       stands_in_for=d.name if d is not s else "")
             continue
-        from .offload import TorchAPIMissing, refusal
         try:
             why = refusal(fw_nodes[name], fwd_outs, num_fwd_outputs, static_fw)
         except TorchAPIMissing as e:
