@@ -234,3 +234,20 @@ def test_recomputed_random_ops_count_their_rng_state():
     backend, cap = _capture(memory_budget=0.5)
     with pytest.raises(CheckpointError, match="the RNG states of the random ops it recomputes"):
         torch.compile(block, backend=backend)(x, w).sum().backward()
+
+
+def test_dead_random_ops_are_not_reported_as_recomputed_under_fallback_random():
+    """Inductor's fallback_random makes FX keep random-tagged ops alive in dead-code
+    elimination (SDPA carries the tag): a dead copy in the backward counted as recomputed."""
+    @sac_region(policies.save_matmuls, name="A")
+    def attn(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    torch._dynamo.reset()
+    backend, cap = _capture()
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.compile(attn, backend=backend)(q).sum().backward()
+    assert cap["report"].recomputed == [] and cap["report"].recompute_flops == 0
+    assert not [n for n in cap["bw"].graph.nodes if "attention.default" in str(n.target)
+                and "backward" not in str(n.target)]

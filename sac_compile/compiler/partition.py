@@ -237,6 +237,12 @@ class SACPartitioner(CustomPartitionerFn):
         fw, bw = _extract_fwd_bwd_modules(
             gm, saved_values, saved_sym_nodes=saved_sym, saved_opaque_nodes=saved_opaque,
             num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=OrderedSet(static))
+        # Under Inductor's fallback_random, FX's dead-code elimination keeps random-tagged ops
+        # (SDPA carries the tag): a dead copy would count as recomputed in the report.
+        try:
+            bw.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=False))
+        except TypeError:  # pragma: no cover - a torch without impure_random
+            pass
         lap("extract")
         fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
         recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
