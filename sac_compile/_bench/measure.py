@@ -49,9 +49,11 @@ def _optional_ops(*names: str) -> list[Any]:
 
 
 #: The op list given to upstream SAC as "save matmuls" (the torchtitan-style list):
-#: matmuls and the scaled-dot-product-attention kernels.
+#: matmuls (MoE experts' grouped matmul included, as our save_matmuls) and the
+#: scaled-dot-product-attention kernels.
 TORCH_SAVE_MATMUL_OPS: list[Any] = [
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    *_optional_ops("_grouped_mm"),
     *_optional_ops("_scaled_dot_product_flash_attention",
                    "_scaled_dot_product_flash_attention_for_cpu",
                    "_scaled_dot_product_efficient_attention",
