@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.capture import capturing_backend as _capture
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
-from sac_compile.compiler import CostModel, SACPartitioner, make_backend
-from sac_compile.compiler.backend import _SACAotAutograd
-from functorch.compile import make_boxed_func
+from sac_compile.compiler import CostModel, make_backend
 
 aten = torch.ops.aten
 
@@ -89,18 +88,6 @@ def test_the_error_blames_the_value_that_cannot_be_recomputed():
     assert "policies.relaxed(policy)" in msg
 
 
-def _capture(**options):
-    cap = {}
-    part = SACPartitioner(on_partition=lambda r: cap.setdefault("report", r), **options)
-
-    def partition(gm, inputs, **kwargs):
-        cap["fw"], cap["bw"] = part(gm, inputs, **kwargs)
-        return cap["fw"], cap["bw"]
-
-    boxed = lambda gm, example_inputs: make_boxed_func(gm.forward)  # noqa: E731
-    return _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition), cap
-
-
 def test_attention_without_dropout_is_not_a_random_op():
     """SDPA kernels carry torch's nondeterministic_seeded tag whatever their dropout_p. With
     p=0 a recomputed attention needs no RNG state (no run_with_rng_state in the backward)."""
@@ -150,10 +137,7 @@ def test_which_ops_are_random():
 def _region_budget_run(budgets):
     """Two SAC regions, each under torch's region_activation_memory_budget (None: none)."""
     torch._dynamo.reset()
-    cap = {}
-    part = SACPartitioner(on_partition=lambda r: cap.setdefault("report", r))
-    boxed = lambda gm, example_inputs: make_boxed_func(gm.forward)  # noqa: E731
-    backend = _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=part)
+    backend, cap = _capture()
 
     @sac_region(policies.save_all, name="A")
     def a(x, w):

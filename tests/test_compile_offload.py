@@ -10,35 +10,13 @@ import sys
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 
+from fixtures.capture import capturing_backend
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
-from sac_compile.compiler import SACPartitioner, make_backend
-from sac_compile.compiler.backend import _SACAotAutograd
+from sac_compile.compiler import make_backend
 
 aten = torch.ops.aten
-
-
-class Captured:
-    def __init__(self):
-        self.fw = self.bw = self.report = None
-
-
-def capturing_backend(**options):
-    """aot_eager with our partitioner; keeps the last split's graphs and report."""
-    cap = Captured()
-    part = SACPartitioner(on_partition=lambda r: setattr(cap, "report", r), **options)
-
-    def partition(gm, inputs, **kwargs):
-        cap.fw, cap.bw = part(gm, inputs, **kwargs)
-        return cap.fw, cap.bw
-
-    def boxed(gm, example_inputs):
-        return make_boxed_func(gm.forward)
-
-    backend = _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
-    return backend, cap
 
 
 def _meta_mlp(policy):

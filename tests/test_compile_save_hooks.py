@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 
+from fixtures.capture import capturing_backend as _capturing
 from fixtures.models import grads_of, loss_fn, make_model, reference_grads
 from sac_compile import CheckpointError, SaveWithHooks, sac_region
-from sac_compile.compiler import SACPartitioner, make_backend
-from sac_compile.compiler.backend import _SACAotAutograd
+from sac_compile.compiler import make_backend
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default}
@@ -61,21 +60,6 @@ def _eager_grads(hooks):
     model, inputs = _mlp(hooks)
     loss_fn(model(*inputs)).backward()
     return grads_of(model, inputs)
-
-
-def _capturing(**options):
-    cap = {}
-    part = SACPartitioner(on_partition=lambda r: cap.setdefault("reports", []).append(r),
-                          **options)
-
-    def partition(gm, inputs, **kwargs):
-        cap["fw"], cap["bw"] = part(gm, inputs, **kwargs)
-        return cap["fw"], cap["bw"]
-
-    def boxed(gm, example_inputs):
-        return make_boxed_func(gm.forward)
-
-    return _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition), cap
 
 
 def _rel_diff(a, b):

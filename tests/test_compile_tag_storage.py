@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache,
                                                            _collect_context_fn_hashes)
 
+from fixtures.capture import capturing_backend as _capturing
 from sac_compile import CheckpointPolicy as CP, SaveWithHooks, sac_region, tag
-from sac_compile.compiler import SACPartitioner, make_backend
-from sac_compile.compiler.backend import _SACAotAutograd
+from sac_compile.compiler import make_backend
 from sac_compile.compiler.cache_keys import hooks_key, policy_key
 from sac_compile.compiler.markers import decode_opinion, encode_opinion
 
@@ -39,21 +38,6 @@ BF16 = SaveWithHooks(to_bf16, from_bf16)
 
 def _saves_nothing_special(ctx, op, *args, **kwargs):
     return None
-
-
-def _capturing(**options):
-    """aot_eager with our partitioner; keeps the split graphs and the report."""
-    cap = {}
-    part = SACPartitioner(on_partition=lambda r: cap.__setitem__("report", r), **options)
-
-    def partition(gm, inputs, **kwargs):
-        cap["fw"], cap["bw"] = part(gm, inputs, **kwargs)
-        return cap["fw"], cap["bw"]
-
-    def boxed(gm, example_inputs):
-        return make_boxed_func(gm.forward)
-
-    return _SACAotAutograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition), cap
 
 
 def _tagged_block(hooks):

@@ -12,7 +12,8 @@ import torch
 
 from sac_compile import CheckpointPolicy as CP, sac_region
 from sac_compile.compiler import CostModel
-from test_compile_offload import _compile_and_run_on_meta, _ops, capturing_backend
+from fixtures.capture import capturing_backend
+from test_compile_offload import _compile_and_run_on_meta, _ops
 
 pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
 aten = torch.ops.aten
