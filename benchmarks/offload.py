@@ -233,18 +233,8 @@ class EfficientAttentionGPTBlock(GPTBlock):
     path (bmm, softmax, bmm); this is the kernel a GPU runs for fp32, so the traced graphs
     keep what the GPU's would. Same computation as ``GPTBlock.forward`` otherwise."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        H = self.n_heads
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-        q = q.view(B, T, H, C // H).transpose(1, 2)
-        k = k.view(B, T, H, C // H).transpose(1, 2)
-        v = v.view(B, T, H, C // H).transpose(1, 2)
-        y = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0]
-        y = y.transpose(1, 2).reshape(B, T, C)
-        x = x + self.proj(self.attn_drop(y))
-        x = x + self.mlp_drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
-        return x
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0]
 
 
 def _torch_sac_forward(fwd: Callable[..., Any]) -> Callable[..., Any]:
