@@ -42,7 +42,10 @@ def _backward_of(out: Any) -> None:
 
 def _leaves_reached(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # id -> node: holding the node keeps its id. (torch 2.11 frees an autograd node's Python
+    # object once nothing holds it, and the next one can reuse the id: with a set of ids,
+    # the walk took unvisited nodes for seen ones and missed leaves.)
+    seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     for t in outputs:
         if t.grad_fn is None and t.is_leaf:
@@ -51,7 +54,7 @@ def _leaves_reached(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if isinstance(variable, torch.Tensor):
             leaves[id(variable)] = variable

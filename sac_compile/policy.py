@@ -61,7 +61,9 @@ class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
     def __init__(self, *, op_output: Any = None, region: str = "",
                  region_path: tuple[str, ...] = (), names: frozenset[str] = frozenset()) -> None:
         # The user's Python is never re-run, so a policy is never asked during recompute.
-        super().__init__(is_recompute=False, op_output=op_output)
+        # (torch 2.11's SelectiveCheckpointContext takes no op_output: set it here.)
+        super().__init__(is_recompute=False)
+        self.op_output = op_output
         self.region = region
         self.region_path = region_path
         self.names = names

@@ -1,9 +1,11 @@
 """CPU offload under compile through torch's activation-offloading pass, and the torch APIs
 that the saved-value storage passes (:mod:`.storage`, :mod:`.save_hooks`) rely on.
 
-Every torch API these passes use is imported here, and only here (:func:`torch_api`), so
-that a torch without one of them fails with one message naming it (``TorchAPIMissing``)
-instead of an ``ImportError`` deep in a compile.
+Every torch API these passes use is imported here, and only here (:func:`torch_api` for
+offload, :func:`hooks_api` for save hooks), so that a torch without one of them fails with
+one message naming it and the torch version needed (``TorchAPIMissing``) instead of an
+``ImportError`` deep in a compile. Offload needs torch >= 2.12 (``torch.ops.ao``); save
+hooks run on every supported torch (>= 2.11).
 
 Offload: the saved values whose decision offloads are marked ``should_offload`` in the
 extracted forward module, then torch's ``enable_activation_offloading`` (from
@@ -25,8 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["TorchAPIMissing", "torch_api", "DEFAULTS", "offload_options", "refusal",
-           "apply_offload"]
+__all__ = ["TorchAPIMissing", "torch_api", "hooks_api", "DEFAULTS", "offload_options",
+           "refusal", "apply_offload"]
 
 # torch._functorch.config flag -> our default when the user left torch's default.
 DEFAULTS: dict[str, bool] = {
@@ -35,8 +37,11 @@ DEFAULTS: dict[str, bool] = {
     "activation_reload_prefetch": True,           # reloads moved earlier in the backward
 }
 
-# The minimum torch these passes were written against (the API set below).
-_WRITTEN_FOR = "2.13"
+# The oldest torch with each API set below: torch's async offload ops (torch.ops.ao.*) first
+# shipped in 2.12 (2.11's pass moves values with prims.device_put and streams ops); the
+# save-hook APIs are in 2.11, the oldest torch the package supports.
+_OFFLOAD_NEEDS = "2.12"
+_HOOKS_NEEDS = "2.11"
 
 
 class TorchAPIMissing(RuntimeError):
@@ -44,25 +49,60 @@ class TorchAPIMissing(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TorchAPI:
+class HooksAPI:
+    """What the save-hook pass uses (:mod:`.save_hooks`)."""
+    fwd_only: Any            # torch._inductor.pattern_matcher.fwd_only (make_fx + decomps)
+    select_decomp_table: Any
+    extract_tensor_metadata: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchAPI(HooksAPI):
+    """What the offload pass uses, besides :class:`HooksAPI`."""
     enable_activation_offloading: Any
     can_offload: Any
     offload_op: Any          # torch.ops.ao.offload.default
     reload_op: Any           # torch.ops.ao.reload.default
     wait_op: Any             # torch.ops.ao.wait_tensor.default
     functorch_config: Any
-    fwd_only: Any            # torch._inductor.pattern_matcher.fwd_only (make_fx + decomps)
-    select_decomp_table: Any
-    extract_tensor_metadata: Any
 
 
 _API: list[TorchAPI] = []
+_HOOKS_API: list[HooksAPI] = []
+
+
+def _missing(where: str, feature: str, needs: str, e: Exception) -> TorchAPIMissing:
+    return TorchAPIMissing(
+        f"sac_compile: torch {torch.__version__} lacks {where}, which {feature} uses (it "
+        f"needs torch >= {needs}); upgrade torch, or keep these values on the device with "
+        f"MUST_SAVE/PREFER_SAVE ({type(e).__name__}: {e})")
+
+
+def hooks_api() -> HooksAPI:
+    """The torch APIs SaveWithHooks under compile uses; :class:`TorchAPIMissing` naming the
+    first one missing. (Not :func:`torch_api`: hooks need none of the offload pass.)"""
+    if _HOOKS_API:
+        return _HOOKS_API[0]
+    where = ""
+    try:
+        where = "torch._inductor.pattern_matcher.fwd_only"
+        from torch._inductor.pattern_matcher import fwd_only
+        where = "torch._inductor.decomposition.select_decomp_table"
+        from torch._inductor.decomposition import select_decomp_table
+        where = "torch._subclasses.fake_tensor.extract_tensor_metadata"
+        from torch._subclasses.fake_tensor import extract_tensor_metadata
+    except (ImportError, AttributeError) as e:
+        raise _missing(where, "SaveWithHooks under torch.compile", _HOOKS_NEEDS, e) from None
+    _HOOKS_API.append(HooksAPI(fwd_only, select_decomp_table, extract_tensor_metadata))
+    return _HOOKS_API[0]
 
 
 def torch_api() -> TorchAPI:
-    """The pinned torch APIs; :class:`TorchAPIMissing` naming the first one missing."""
+    """The pinned torch APIs of CPU offload under compile; :class:`TorchAPIMissing` naming
+    the first one missing and the torch it needs."""
     if _API:
         return _API[0]
+    hooks = hooks_api()
     where = ""
     try:
         where = "torch._functorch._activation_offloading.activation_offloading"
@@ -75,20 +115,11 @@ def torch_api() -> TorchAPI:
         import torch._functorch.config as functorch_config
         for flag in DEFAULTS:
             getattr(functorch_config, flag)
-        where = "torch._inductor.pattern_matcher.fwd_only"
-        from torch._inductor.pattern_matcher import fwd_only
-        where = "torch._inductor.decomposition.select_decomp_table"
-        from torch._inductor.decomposition import select_decomp_table
-        where = "torch._subclasses.fake_tensor.extract_tensor_metadata"
-        from torch._subclasses.fake_tensor import extract_tensor_metadata
     except (ImportError, AttributeError) as e:
-        raise TorchAPIMissing(
-            f"sac_compile: torch {torch.__version__} lacks {where}, which CPU offload and "
-            f"SaveWithHooks under torch.compile use (written for torch >= {_WRITTEN_FOR}); "
-            f"upgrade torch, or keep these values on the device with MUST_SAVE/PREFER_SAVE "
-            f"({type(e).__name__}: {e})") from None
-    _API.append(TorchAPI(enable_activation_offloading, can_offload, *ops, functorch_config,
-                         fwd_only, select_decomp_table, extract_tensor_metadata))
+        raise _missing(where, "CPU offload under torch.compile", _OFFLOAD_NEEDS, e) from None
+    _API.append(TorchAPI(hooks.fwd_only, hooks.select_decomp_table,
+                         hooks.extract_tensor_metadata, enable_activation_offloading,
+                         can_offload, *ops, functorch_config))
     return _API[0]
 
 
