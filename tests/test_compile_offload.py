@@ -14,7 +14,7 @@ import torch
 from fixtures.capture import capturing_backend
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
-from sac_compile.compiler import make_backend
+from sac_compile.compiler import SACPartitioner, make_backend
 
 aten = torch.ops.aten
 
@@ -308,3 +308,32 @@ def test_must_offload_of_a_view_its_base_cannot_take_is_an_error(case):
     backend, cap = capturing_backend()
     torch.compile(block, backend=backend)(*cpu).sum().backward()
     assert not _ops(cap.fw, "offload")
+
+
+def _wait_positions(fw):
+    """Each offload's wait: how many forward ops run after it (0: at the graph's end)."""
+    nodes = [n for n in fw.graph.nodes if n.op == "call_function"]
+    order = {n: i for i, n in enumerate(nodes)}
+    waits = [u for off in _ops(fw, "offload") for u in off.users
+             if u.target is torch.ops.ao.wait_tensor.default]
+    return [len(nodes) - 1 - order[w] for w in waits]
+
+
+def test_offloaded_values_leave_the_device_as_they_go_unless_asked_to_sink_the_waits():
+    """By default a value's offload wait stays next to it, so the device copy is freed as
+    the forward goes (sunk to the end, every offloaded value would stay on the device until
+    the forward ends: no peak saved). SACPartitioner(offload_options=...) sets torch's flags
+    per partitioner, either way."""
+    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
+    positions = {}
+    for sink in (None, True):
+        torch._dynamo.reset()
+        model, x = _meta_mlp(policies.offload_ops(aten.addmm))
+        options = {} if sink is None else {"activation_offload_sink_wait": True}
+        backend, cap = capturing_backend(offload_options=options)
+        _compile_and_run_on_meta(model, backend, x)
+        positions[sink] = _wait_positions(cap.fw)
+    assert positions[None] and min(positions[None]) > 0      # waits inside the forward
+    assert max(positions[True]) < len(positions[True]) + 2   # all gathered at the end
+    with pytest.raises(ValueError, match="unknown flags"):
+        SACPartitioner(offload_options={"sink_wait": True})

@@ -69,13 +69,16 @@ class SACPartitioner(CustomPartitionerFn):
     a fraction of the activation bytes each split saves without a budget, or a byte count
     per split (an int >= 2, or a string such as ``"64MiB"``); inputs and parameters are not
     counted (see :mod:`.budget`). A budget that cannot be met raises
-    :class:`~sac_compile.CheckpointError`.
+    :class:`~sac_compile.CheckpointError`. ``offload_options``: torch's offload flags
+    (``activation_offload_separate_stream``, ``activation_offload_sink_wait``,
+    ``activation_reload_prefetch``) for this partitioner, over :data:`.offload.DEFAULTS`.
     """
 
     def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
                  memory_budget: float | int | str | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
-                 cse: bool = False, delegate_untagged: bool = True) -> None:
+                 cse: bool = False, delegate_untagged: bool = True,
+                 offload_options: dict[str, bool] | None = None) -> None:
         if solver not in (None, "scipy", "networkx"):
             raise ValueError(f"solver must be 'scipy', 'networkx' or None, got {solver!r}")
         self.memory_budget = check_budget(memory_budget)
@@ -84,12 +87,19 @@ class SACPartitioner(CustomPartitionerFn):
         self.on_partition = on_partition
         self.cse = cse
         self.delegate_untagged = delegate_untagged
+        from .offload import DEFAULTS as offload_defaults
+        unknown = sorted(set(offload_options or {}) - set(offload_defaults))
+        if unknown:
+            raise ValueError(f"offload_options: unknown flags {unknown}; expected some of "
+                             f"{sorted(offload_defaults)}")
+        self.offload_options = dict(offload_options or {})
         self.last_report: PartitionReport | None = None
 
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
         options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged,
-                        self.memory_budget, type(self.memory_budget).__name__))
+                        self.memory_budget, type(self.memory_budget).__name__,
+                        sorted(self.offload_options.items())))
         return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -214,7 +224,7 @@ class SACPartitioner(CustomPartitionerFn):
         from .storage import extract_with_storage  # + CPU offload and SaveWithHooks
         fw, bw, saved_names, recomputed = extract_with_storage(
             self._extract, gm, saved, static, num_fwd_outputs, lap, host=host,
-            host_reason=host_reason)
+            host_reason=host_reason, offload_options=self.offload_options)
         if counts.get("fold_markers"):
             report.notes.append(f"{counts['fold_markers']} tag()/name() markers folded")
         self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)

@@ -138,7 +138,8 @@ def _carries(d: fx.Node, s: fx.Node, dec: Decision) -> bool:
 def extract_with_storage(extract: Callable[..., Any], gm: fx.GraphModule, saved: list[fx.Node],
                          static: set[fx.Node], num_fwd_outputs: int,
                          lap: Callable[[str], None], *, host: list[fx.Node] = (),
-                         host_reason: str = "") -> Any:
+                         host_reason: str = "",
+                         offload_options: dict[str, bool] | None = None) -> Any:
     """``extract(gm, saved, static, num_fwd_outputs, lap)`` with offload and hooks applied.
     ``host``: saved values the cut keeps on the host though the policy did not ask for it
     (a memory budget met by offloading); ``host_reason`` says why, for the report."""
@@ -147,7 +148,7 @@ def extract_with_storage(extract: Callable[..., Any], gm: fx.GraphModule, saved:
     host_names = {n.name for n in host}
     if host_names or any(_storage_decision(n) is not None for n in gm.graph.nodes):
         _apply(gm, fw, bw, saved_names, {n.name for n in static}, num_fwd_outputs,
-               host_names, host_reason)
+               host_names, host_reason, offload_options)
         lap("storage")
     gm.meta.pop(TRACED_KEY, None)
     return fw, bw, saved_names, recomputed
@@ -191,7 +192,7 @@ def packed_sizes(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_names: list[str],
            static_names: set[str], num_fwd_outputs: int, host: set[str] = frozenset(),
-           host_reason: str = "") -> None:
+           host_reason: str = "", offload_options: dict[str, bool] | None = None) -> None:
     joint = {n.name: n for n in gm.graph.nodes}
     in_bw = {n.name for n in bw.graph.nodes}
     kept = [name for name in saved_names if name in joint and _is_tensor(joint[name])
@@ -292,7 +293,7 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
     if to_offload:
         from .offload import apply_offload
         summary["offload_options"] = apply_offload(fw, bw, to_offload, num_fwd_outputs,
-                                                   static_names)
+                                                   static_names, offload_options)
     for name, note in notes.items():
         joint[name].meta[NOTE_KEY] = note
 
