@@ -201,8 +201,8 @@ CONFIGS = [
            save_policy),
     Config("ours_offload", "ours MUST_CPU_OFFLOAD mm (our defaults)", "ours", "region",
            offload_policy),
-    Config("ours_offload_nosink", "ours MUST_CPU_OFFLOAD mm, waits not sunk", "ours", "region",
-           offload_policy, our_defaults={"activation_offload_sink_wait": False}),
+    Config("ours_offload_sink", "ours MUST_CPU_OFFLOAD mm, waits sunk", "ours", "region",
+           offload_policy, our_defaults={"activation_offload_sink_wait": True}),
     Config("ours_bf16", "ours bf16 SaveWithHooks on mm", "ours", "region", bf16_policy),
 ]
 
