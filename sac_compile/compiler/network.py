@@ -240,28 +240,24 @@ def _upstream_ban(node: fx.Node, op_types: Any, *, needed_in_forward: bool) -> R
     return None if text is None else Reason(ReasonKind.UPSTREAM_BAN, text)
 
 
-def _tie_break(v: fx.Node) -> bool:
-    """Whether keeping ``v`` costs one byte more than its size. Cuts that keep the same
-    bytes tie - the three outputs of a split or the matmul they split, a view of a value
-    to offload or a same-size pointwise op of it - and the max-flow would pick one by
-    accident of graph order. One byte makes the choice, the same way every time: a value
-    the policy decided to save, and a view of a value to offload or pack (the storage
-    pass keeps its base), win over anything else."""
-    dec = v.meta.get("sac_decision")
-    base = v
+def _tie_break(v: fx.Node) -> float:
+    """A one-byte nudge to ``v``'s keep cost where two cuts keep the same bytes and the
+    max-flow would pick one by accident of graph order: the outputs of a split (views)
+    against the matmul they split (+1: keep the base), and a view of a value to offload or
+    pack against a same-size op of it (-1: keep the view, so the storage pass keeps its
+    base). Nothing else is nudged: one byte outweighs a small discounted recompute."""
+    base, storage = v, False
     while isinstance(base, fx.Node) and base.op == "call_function" and base.args and (
-            costs.is_view(base) or base.target is operator.getitem):
-        if base is not v:
-            bdec = base.meta.get("sac_decision")
-            if bdec is not None and bdec.saves and (bdec.offloads or bdec.hooks is not None):
-                return False
+            costs.is_view(base) or (base.target is operator.getitem
+                                    and isinstance(base.args[0], fx.Node)
+                                    and costs.is_view(base.args[0]))):
         base = base.args[0]
-    if base is not v:  # a view of a value without a storage decision
         bdec = base.meta.get("sac_decision") if isinstance(base, fx.Node) else None
-        if bdec is not None and bdec.saves and (bdec.offloads or bdec.hooks is not None):
-            return False
-        return True
-    return not (dec is not None and dec.saves)
+        storage = storage or (bdec is not None and bdec.saves
+                              and (bdec.offloads or bdec.hooks is not None))
+    if base is v:
+        return 0.0
+    return -1.0 if storage else 1.0
 
 
 def _effectful_reason(node: fx.Node) -> Reason | None:
@@ -322,8 +318,8 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             save = float(packed_bytes[v])
         elif isinstance(val, torch.Tensor) or costs.is_sym(v):
             save = float(costs.nbytes(v))
-            if v.op == "call_function" and _tie_break(v):
-                save += 1.0
+            if v.op == "call_function":
+                save = max(save + _tie_break(v), 0.0)
         elif costs.is_opaque(v):
             save = 0.0  # BackwardState, script/opaque objects: passed along, as upstream
         else:
