@@ -14,6 +14,7 @@ those graphs bypass AOTAutograd's cache (Inductor's FX graph cache still applies
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | int | str
             from torch._inductor.compile_fx import compile_fx
             patches = inductor_patches(partitioner, mode, options)
             _let_caches_serve(gm, partitioner)
-            with sac_partitioning():
+            with sac_partitioning(), _closing_checkpoints_on_error():
                 return compile_fx(gm, example_inputs, config_patches=patches)
 
         backend = sac_inductor
@@ -70,8 +71,20 @@ class _SACAotAutograd(AotAutograd):
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         _let_caches_serve(gm, self.kwargs["partition_fn"])
-        with sac_partitioning():
+        with sac_partitioning(), _closing_checkpoints_on_error():
             return super().__call__(gm, example_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _closing_checkpoints_on_error() -> Any:
+    """An error raised while a region's forward is traced leaves the region's tagging mode
+    entered on torch < 2.13 (see :func:`.regions_compiled.close_checkpoints_left_open`)."""
+    try:
+        yield
+    except BaseException as e:
+        from .regions_compiled import close_checkpoints_left_open
+        close_checkpoints_left_open(e)
+        raise
 
 
 def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:

@@ -23,6 +23,7 @@ context_fn=...)`` still gets it, once, as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -36,7 +37,8 @@ from .markers import encode_opinion, name_op, tag_op
 from .tagging import region_contexts, take_eager_entry
 
 __all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
-           "torch_sac_contexts", "context_fn_kind"]
+           "torch_sac_contexts", "context_fn_kind", "close_checkpoints_left_open",
+           "hooks_fall_back_to_eager"]
 
 log = logging.getLogger("sac_compile")
 
@@ -49,8 +51,46 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
                                    allow_cache_entry_mutation)
     body = functools.partial(_region_body, frame.name, frame.policy, allow_cache_entry_mutation,
                              fn)
-    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
-                                             context_fn=context_fn, **kwargs)
+    try:
+        return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
+                                                 context_fn=context_fn, **kwargs)
+    except BaseException as e:  # reached when the call runs as Python (a graph break)
+        close_checkpoints_left_open(e)
+        raise
+
+
+def close_checkpoints_left_open(exc: BaseException) -> None:
+    """Exit the ``context_fn`` contexts torch < 2.13 leaves entered when a checkpointed
+    forward raises. Its ``torch.utils.checkpoint`` neither throws the error into its
+    generator nor closes it (2.13 does), so a region's forward context - our tagging mode,
+    or the eager runtime's recorder and saved-tensor hooks - stays entered until the
+    traceback is freed, and its exit then pops whatever is on top of the stacks by that
+    time. Called where the error passes through our code (our backends, a region run as
+    Python); closes each such generator in ``exc``'s tracebacks, innermost first."""
+    gens: list[Any] = []
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        stack += [e.__cause__, e.__context__]
+        tb = e.__traceback__
+        while tb is not None:
+            f = tb.tb_frame
+            if f.f_code.co_name == "checkpoint" and \
+                    f.f_globals.get("__name__") == "torch.utils.checkpoint":
+                gen = f.f_locals.get("gen")
+                if inspect.isgenerator(gen) and gen.gi_frame is not None and \
+                        not gen.gi_running and all(g is not gen for g in gens):
+                    gens.append(gen)
+            tb = tb.tb_next
+    for gen in reversed(gens):
+        try:
+            gen.close()
+        except Exception:  # pragma: no cover - an exit that fails: the first error stands
+            log.debug("sac_compile: closing a checkpoint left open failed", exc_info=True)
 
 
 def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *args: Any,
@@ -60,7 +100,7 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
     through the eager runtime, whose saved-tensor hooks take over from torch's checkpoint
     (nothing is left for torch to recompute, so the user's Python runs once)."""
     if torch.compiler.is_compiling():
-        if _untraceable_hooks(name, policy):
+        if _PROBE_HOOKS_WHILE_TRACED and _untraceable_hooks(name, policy):
             torch._dynamo.graph_break()  # the region then runs through the eager runtime
         return fn(*args, **kwargs)
     from .. import runtime
@@ -74,6 +114,19 @@ def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *a
 
 
 _HOOKS_FALLBACK: set[str] = set()  # regions run eagerly for their hooks (one warning, not two)
+
+# torch >= 2.12's Dynamo calls an assume_constant_result function with an object argument
+# (the policy) as it is, guarded by identity; 2.11's asks the object for a Python constant and
+# fails. There the hooks are not probed before tracing: untraceable hooks are the
+# partitioner's CheckpointError, which says that the eager fallback needs torch >= 2.12.
+_PROBE_HOOKS_WHILE_TRACED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
+
+
+def hooks_fall_back_to_eager() -> bool:
+    """Whether a region whose policy returns hooks that cannot be traced runs through the
+    eager runtime under compile (torch >= 2.12), rather than raising the partitioner's
+    ``CheckpointError``."""
+    return _PROBE_HOOKS_WHILE_TRACED
 
 
 @torch.compiler.assume_constant_result
