@@ -188,6 +188,7 @@ class TorchSAC:
                                             self.allow_cache_entry_mutation)
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.calls = getattr(self, "calls", 0) + 1
         return tuc.checkpoint(fn, *args, use_reentrant=False, context_fn=self.context_fn,
                               **kwargs)
 
@@ -277,6 +278,10 @@ class StepResult:
     recomputed_ops: int
     grads: dict[str, torch.Tensor]
     note: str = ""
+    # torch's checkpoint stashes the CPU generator's state per call (preserve_rng_state),
+    # outside autograd's saved tensors: not in saved_bytes; compiled splits that recompute
+    # a random op list their RNG states as saved values.
+    rng_state_bytes: int = 0
 
 
 def _step(model: nn.Module, inputs: tuple, seed: int, loss: Callable[[Any], torch.Tensor],
@@ -328,7 +333,9 @@ def measure_torch_sac(model: nn.Module, inputs: tuple, policy: Any = TORCH_SAVE_
     out.backward()
     grads = grads_of(model, inputs)
     clear_grads(model, inputs)
-    return StepResult(strategy, total.nbytes, policy_bytes, sac.recomputed_ops, grads)
+    rng = getattr(sac, "calls", 0) * int(torch.get_rng_state().numel())
+    return StepResult(strategy, total.nbytes, policy_bytes, sac.recomputed_ops, grads,
+                      rng_state_bytes=rng)
 
 
 # --------------------------------------------------------------------------------------
