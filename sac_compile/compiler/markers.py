@@ -120,32 +120,23 @@ def decode_opinion(text: str) -> Opinion:
 # The marker ops
 # --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("sac_compile::tag_marker", mutates_args=())
-def tag_op(x: torch.Tensor, opinion: str) -> torch.Tensor:
-    """Identity; ``opinion`` (:func:`encode_opinion`) is for the op that produced ``x``."""
-    return x.clone()
+def _identity_marker(name: str, doc: str) -> Any:
+    """An identity custom op ``sac_compile::<name>(Tensor x, str text) -> Tensor`` (a clone,
+    so FX keeps it; its gradient passes through)."""
+    def marker(x: torch.Tensor, text: str) -> torch.Tensor:
+        return x.clone()
+
+    marker.__doc__ = doc
+    op = torch.library.custom_op(f"sac_compile::{name}", mutates_args=())(marker)
+    op.register_fake(lambda x, text: torch.empty_like(x))
+    op.register_autograd(lambda ctx, grad: (grad, None))
+    return op
 
 
-@tag_op.register_fake
-def _tag_fake(x: torch.Tensor, opinion: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-tag_op.register_autograd(lambda ctx, grad: (grad, None))
-
-
-@torch.library.custom_op("sac_compile::name_marker", mutates_args=())
-def name_op(x: torch.Tensor, label: str) -> torch.Tensor:
-    """Identity; labels the output of the op that produced ``x``."""
-    return x.clone()
-
-
-@name_op.register_fake
-def _name_fake(x: torch.Tensor, label: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-name_op.register_autograd(lambda ctx, grad: (grad, None))
+tag_op = _identity_marker(
+    "tag_marker", "Identity; ``text`` (:func:`encode_opinion`) is for the op that produced x.")
+name_op = _identity_marker("name_marker", "Identity; labels the output of the op that "
+                                          "produced x.")
 
 TAG_OP = torch.ops.sac_compile.tag_marker.default
 NAME_OP = torch.ops.sac_compile.name_marker.default
