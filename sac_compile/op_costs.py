@@ -27,9 +27,11 @@ def hint(value: Any, *, fallback: int) -> int:
     would specialise the shape and add a guard, recompiling for every new size."""
     if isinstance(value, int):
         return value
+    shapes = torch.fx.experimental.symbolic_shapes
+    # torch 2.11 has no optimization_hint; its size_hint reads the hint the same way
+    get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
     try:
-        return int(torch.fx.experimental.symbolic_shapes.optimization_hint(
-            value, fallback=fallback))
+        return int(get_hint(value, fallback=fallback))
     except Exception:
         return fallback
 

@@ -74,6 +74,7 @@ def test_report_json_has_every_strategy_and_matching_gradients(report_run):
 
 
 def test_report_png_is_a_valid_image(report_run):
+    pytest.importorskip("matplotlib", reason="report.png needs the report extra (matplotlib)")
     _, out = report_run
     png = out / "report.png"
     data = png.read_bytes()

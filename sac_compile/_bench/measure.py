@@ -142,17 +142,27 @@ _storage_key_fn = getattr(tuc, "_sac_storage_key", lambda func, args: func)
 class _CountingCachedMode(tuc._CachedTorchDispatchMode):
     """torch's recompute-side SAC mode, counting the ops it runs (cache misses) by op."""
 
-    def __init__(self, storage: Any, owner: "TorchSAC", allow_cache_entry_mutation: bool) -> None:
-        super().__init__(None, storage, allow_cache_entry_mutation)
+    def __init__(self, storage: Any, owner: "TorchSAC", allow_cache_entry_mutation: bool,
+                 policy_fn: Any = None) -> None:
+        # torch < 2.13's mode asks the policy again (is_recompute=True); 2.13's ignores it.
+        super().__init__(policy_fn, storage, allow_cache_entry_mutation)
         self._owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in _IGNORED:
-            key = _storage_key_fn(func, args)
-            entry = self.storage.get(key, {}).get(self.func_counter[key])
-            if entry is _RECOMPUTE:
-                self._owner.recomputed[func] += 1
+        if func not in _IGNORED and self._recomputes(func, args, kwargs):
+            self._owner.recomputed[func] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _recomputes(self, func: Any, args: Any, kwargs: Any) -> bool:
+        if _RECOMPUTE is not None:  # torch 2.13: the forward left a marker per call
+            key = _storage_key_fn(func, args)
+            return self.storage.get(key, {}).get(self.func_counter[key]) is _RECOMPUTE
+        # older torch: what the policy does not save, the mode re-runs
+        policy = self.policy_fn(tuc.SelectiveCheckpointContext(is_recompute=True), func,
+                                *args, **(kwargs or {}))
+        if isinstance(policy, bool):
+            policy = tuc._policy_from_bool(policy)
+        return policy not in (tuc.CheckpointPolicy.MUST_SAVE, tuc.CheckpointPolicy.PREFER_SAVE)
 
 
 class TorchSAC:
@@ -185,7 +195,8 @@ class TorchSAC:
             self.policy, self.allow_cache_entry_mutation)
         self.storages.append(caching.storage)
         return caching, _CountingCachedMode(caching.storage, self,
-                                            self.allow_cache_entry_mutation)
+                                            self.allow_cache_entry_mutation,
+                                            getattr(caching, "policy_fn", None))
 
     def checkpoint(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.calls = getattr(self, "calls", 0) + 1
@@ -195,8 +206,8 @@ class TorchSAC:
     def cached_tensors(self) -> Iterator[torch.Tensor]:
         """Tensors in the caches now (before backward consumes them)."""
         for storage in self.storages:
-            for per_op in storage.values():
-                for entry in per_op.values():
+            for per_op in storage.values():  # op -> {call: entry} (a list before 2.13)
+                for entry in (per_op.values() if isinstance(per_op, dict) else per_op):
                     leaves, _ = tree_flatten(entry)
                     for leaf in leaves:
                         if isinstance(leaf, tuc._VersionWrapper) and \

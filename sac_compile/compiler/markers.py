@@ -57,8 +57,15 @@ def encode_opinion(opinion: Opinion) -> str:
         # identity (its own guard on a function checks only the code, the same for two
         # closures over different dtypes): other hooks recompile, as another policy does.
         _ = id(pack), id(unpack)
+        if _ID_GUARDS_NO_FUNCTION:
+            # torch < 2.13: id() guards an object by identity, not a function; guard the
+            # SaveWithHooks (another one recompiles, even with the same functions).
+            _ = id(opinion)
         return _hooks_text(pack, unpack)
     return opinion.name
+
+
+_ID_GUARDS_NO_FUNCTION = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
 
 
 @torch.compiler.assume_constant_result

@@ -244,8 +244,11 @@ class SACPartitioner(CustomPartitionerFn):
         saved_sym = [n for n in saved if is_sym_node(n) and not _is_assert_only_symbool(n)]
         saved_opaque = [n for n in saved if _is_opaque_object(n)]
         saved_values = [n for n in saved if not is_sym_node(n) and not _is_opaque_object(n)]
+        # torch 2.11's extraction has no saved_opaque_nodes (nor is_opaque_node, so
+        # saved_opaque is empty there): pass it only when there is something to pass.
+        opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
         fw, bw = _extract_fwd_bwd_modules(
-            gm, saved_values, saved_sym_nodes=saved_sym, saved_opaque_nodes=saved_opaque,
+            gm, saved_values, saved_sym_nodes=saved_sym, **opaque,
             num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=OrderedSet(static))
         # Under Inductor's fallback_random, FX's dead-code elimination keeps random-tagged ops
         # (SDPA carries the tag): a dead copy would count as recomputed in the report.

@@ -326,7 +326,16 @@ def _hooks_error(d: fx.Node, s: fx.Node, dec: Decision, why: str) -> str:
             f"{why}. To fix: write pack/unpack as torch code on tensors (a dtype cast, "
             f"quantize/dequantize, .to(device)) that returns tensors and does not branch on "
             f"their values; or run this region through the eager runtime (a `with "
-            f"sac_region(...)` block, or backend='eager'), where hooks run as Python")
+            f"sac_region(...)` block, or backend='eager'), where hooks run as Python"
+            f"{_hooks_fallback_note()}")
+
+
+def _hooks_fallback_note() -> str:
+    from .regions_compiled import hooks_fall_back_to_eager
+    if hooks_fall_back_to_eager():
+        return ""
+    return (f" (torch >= 2.12 does that by itself for hooks a region's policy returns; this "
+            f"is torch {torch.__version__})")
 
 
 def annotate_report(report: Any, gm: fx.GraphModule) -> None:

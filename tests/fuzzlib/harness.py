@@ -27,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import re
+import sys
+import types
 import weakref
 from typing import Any
 
@@ -342,9 +345,30 @@ def _unpack_versioned(packed):
     return t
 
 
+_program_ids = itertools.count()
+
+
+def _program_globals(namespace: dict) -> dict:
+    """The globals of a new module ``fuzz_program_<n>`` (in ``sys.modules``) holding
+    ``namespace``: torch 2.11's Dynamo imports an inlined function's module by its
+    ``__name__``."""
+    name = f"fuzz_program_{next(_program_ids)}"
+    module = types.ModuleType(name)
+    module.__dict__.update(namespace)
+    module.__dict__["__name__"] = name
+    sys.modules[name] = module
+    _LIVE.append(name)
+    while len(_LIVE) > _KEEP:  # older programs are done: do not keep their objects alive
+        sys.modules.pop(_LIVE.pop(0), None)
+    return module.__dict__
+
+
+_LIVE: list[str] = []
+_KEEP = 4  # a check runs at most a few programs side by side
+
+
 def load(source: str, namespace: dict) -> Any:
-    ns = dict(namespace)
-    ns["__name__"] = "fuzz_program"
+    ns = _program_globals(namespace)
     exec(compile(source, "<fuzz program>", "exec"), ns)
     return ns["program"]
 
@@ -764,8 +788,7 @@ class BoundaryRun:
 
 def run_boundary(source: str, *, checkpointing: bool, seed: int = 0, snapshot: bool = False,
                  backend: Any = None, namespace: dict | None = None) -> BoundaryRun:
-    ns = dict(namespace or boundary_namespace(checkpointing))
-    ns["__name__"] = "fuzz_program"
+    ns = _program_globals(namespace or boundary_namespace(checkpointing))
     exec(compile(source, "<fuzz program>", "exec"), ns)
     inputs = make_inputs(seed)
     mods = ns["setup"](inputs["w"], inputs["b"], inputs["buf"]) if "setup" in ns else {}
