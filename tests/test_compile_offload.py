@@ -119,16 +119,23 @@ def _noncontiguous_block(policy):
     return block
 
 
-@needs_offload_ops
-def test_must_offload_of_a_value_torch_refuses_is_an_error():
+def _noncontiguous_split(decision):
+    """A thunk compiling the non-contiguous block with ``decision`` on its ``mul`` (on the
+    meta device), and what the split captures."""
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
     torch._dynamo.reset()
     block = _noncontiguous_block(
-        lambda ctx, op, *a, **k: CP.MUST_CPU_OFFLOAD if op is aten.mul.Tensor else None)
-    backend, _ = capturing_backend()
+        lambda ctx, op, *a, **k: decision if op is aten.mul.Tensor else None)
+    backend, cap = capturing_backend()
     x = torch.randn(4, 8, device="meta", requires_grad=True)
+    return (lambda: torch.compile(block, backend=backend)(x)), cap
+
+
+@needs_offload_ops
+def test_must_offload_of_a_value_torch_refuses_is_an_error():
+    run, _ = _noncontiguous_split(CP.MUST_CPU_OFFLOAD)
     with pytest.raises(CheckpointError) as info:
-        torch.compile(block, backend=backend)(x)
+        run()
     msg = str(info.value)
     assert "MUST_CPU_OFFLOAD of aten.mul.Tensor" in msg and "in region 'T'" in msg, msg
     assert "not contiguous" in msg and "PREFER_CPU_OFFLOAD" in msg, msg
@@ -136,13 +143,8 @@ def test_must_offload_of_a_value_torch_refuses_is_an_error():
 
 @needs_offload_ops
 def test_prefer_offload_of_a_value_torch_refuses_stays_on_the_device():
-    pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
-    torch._dynamo.reset()
-    block = _noncontiguous_block(
-        lambda ctx, op, *a, **k: CP.PREFER_CPU_OFFLOAD if op is aten.mul.Tensor else None)
-    backend, cap = capturing_backend()
-    x = torch.randn(4, 8, device="meta", requires_grad=True)
-    torch.compile(block, backend=backend)(x)
+    run, cap = _noncontiguous_split(CP.PREFER_CPU_OFFLOAD)
+    run()
     (row,) = [r for r in cap.report.saved if r.op == "aten.mul.Tensor"]
     assert row.reason == ("PREFER_CPU_OFFLOAD by policy in region 'T' (kept on the device "
                           "under compile: it is not contiguous (torch's offload pass refuses "

@@ -179,6 +179,30 @@ class _Gen:
         used.add(v.name)
         return v
 
+    def emit(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+             ins: Any, outs: Any, template: str, flags: Any) -> bool:
+        """One op from its template on variables drawn from ``scope``, its outputs new
+        variables; False (nothing emitted) when ``scope`` lacks an input of a needed type."""
+        args = []
+        for t in ins:
+            v = self.pick(scope, t, used)
+            if v is None:
+                return False
+            args.append(v.name)
+        names = dict(zip("abc", args))
+        new = [self.fresh() for _ in outs]
+        if new:
+            names["o"] = new[0]
+        if len(new) > 1:
+            names["o2"] = new[1]
+        text = template.format(**names)
+        used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", text))
+        for line in text.split("\n"):
+            lines.append(indent + line)
+        for n, t in zip(new, outs):
+            scope.append(_Var(n, t, self.outer_id, "notag" in flags))
+        return True
+
     # -- statements ----------------------------------------------------------------
     def op(self, scope: list[_Var], used: set[str], lines: list[str], indent: str) -> None:
         key = self.draw(st.sampled_from(self.ops))
@@ -196,24 +220,8 @@ class _Gen:
             self.prog.inplace = True
             self.prog.n_ops += 1
             return
-        args = []
-        for t in ins:
-            v = self.pick(scope, t, used)
-            if v is None:
-                return
-            args.append(v.name)
-        names = dict(zip("abc", args))
-        new = [self.fresh() for _ in outs]
-        if new:
-            names["o"] = new[0]
-        if len(new) > 1:
-            names["o2"] = new[1]
-        text = template.format(**names)
-        used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", text))
-        for line in text.split("\n"):
-            lines.append(indent + line)
-        for n, t in zip(new, outs):
-            scope.append(_Var(n, t, self.outer_id, "notag" in flags))
+        if not self.emit(scope, used, lines, indent, ins, outs, template, flags):
+            return
         self.prog.n_ops += 1
         self.prog.inplace |= "inplace" in flags
         self.prog.random |= "random" in flags
@@ -287,24 +295,35 @@ class _Gen:
         self.regions_header.append(f"{pname} = {expr}")
         return pname
 
-    def region(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
-               depth: int) -> None:
+    def open_region(self, depth: int) -> tuple[int, bool]:
+        """A new region's id, and whether it is outermost (then it starts an outer id)."""
         self.nregion += 1
-        rid = self.nregion
         outermost = depth == 0
         if outermost:
             self.outer_count += 1
             self.outer_id = self.outer_count
-        policy = self.policy()
-        named = self.draw(st.booleans())
-        allow = self.draw(st.integers(0, 4)) == 0
+        return self.nregion, outermost
+
+    def region_body(self, scope: list[_Var], indent: str,
+                    depth: int) -> tuple[list[_Var], set[str], list[str]]:
+        """A region's statements (its scope: the caller's, and what it defines), the names
+        it reads, its lines."""
         body_scope = list(scope)
         self.body_start.append(len(body_scope))
         body_used: set[str] = set()
         body: list[str] = []
-        self.block(body_scope, body_used, body, "    ", depth + 1,
+        self.block(body_scope, body_used, body, indent, depth + 1,
                    self.draw(st.integers(1, self.max_body)))
         self.body_start.pop()
+        return body_scope, body_used, body
+
+    def region(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
+               depth: int) -> None:
+        rid, outermost = self.open_region(depth)
+        policy = self.policy()
+        named = self.draw(st.booleans())
+        allow = self.draw(st.integers(0, 4)) == 0
+        body_scope, body_used, body = self.region_body(scope, "    ", depth)
         if not body:
             body.append("    pass")
         defined = [v for v in body_scope if v not in scope]
@@ -336,13 +355,24 @@ class _Gen:
             choices = ["op", "op", "op", "tag"]
             if depth < self.max_depth:
                 choices.append("region")
+            choices += self.other_statements(depth)
             kind = self.draw(st.sampled_from(choices))
             if kind == "op":
                 self.op(scope, used, lines, indent)
             elif kind == "tag":
                 self.tag(scope, used, lines, indent, depth > 0)
-            else:
+            elif kind == "region":
                 self.region(scope, used, lines, indent, depth)
+            else:
+                self.other_statement(kind, scope, used, lines, indent, depth)
+
+    def other_statements(self, depth: int) -> list[str]:
+        """Statement kinds a subclass adds at ``depth`` (drawn besides op, tag, region)."""
+        return []
+
+    def other_statement(self, kind: str, scope: list[_Var], used: set[str], lines: list[str],
+                        indent: str, depth: int) -> None:
+        raise AssertionError(f"no statement kind {kind!r}")
 
     def program(self) -> Program:
         self.regions_header: list[str] = []
@@ -540,24 +570,7 @@ class _BGen(_Gen):
             for line in template.format(a=a.name).split("\n"):
                 lines.append(indent + line)
             return
-        args = []
-        for t in ins:
-            v = self.pick(scope, t, used)
-            if v is None:
-                return
-            args.append(v.name)
-        names = dict(zip("abc", args))
-        new = [self.fresh() for _ in outs]
-        if new:
-            names["o"] = new[0]
-        if len(new) > 1:
-            names["o2"] = new[1]
-        text = template.format(**names)
-        used.update(n for n in GLOBALS if re.search(rf"\b{n}\b", text))
-        for line in text.split("\n"):
-            lines.append(indent + line)
-        for n, t in zip(new, outs):
-            scope.append(_Var(n, t, self.outer_id, "notag" in flags))
+        self.emit(scope, used, lines, indent, ins, outs, template, flags)
 
     # -- policies: real sac_compile policies, so a repro needs no harness ------------
     def policy(self) -> str:
@@ -594,23 +607,13 @@ class _BGen(_Gen):
     # -- regions: functions, or (outermost, feature "module") modules ----------------
     def region(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
                depth: int) -> None:
-        self.nregion += 1
-        rid = self.nregion
-        outermost = depth == 0
-        if outermost:
-            self.outer_count += 1
-            self.outer_id = self.outer_count
+        rid, outermost = self.open_region(depth)
         # (the simplest draw, 0, shrinks to a function region without allow_...=True)
         module = outermost and "module" in self.features and self.draw(st.integers(0, 2)) == 2
         policy = self.policy()
         allow = self.draw(st.integers(0, 5)) == 5
-        body_scope = list(scope)
-        self.body_start.append(len(body_scope))
-        body_used: set[str] = set()
-        body: list[str] = []
-        self.block(body_scope, body_used, body, "        " if module else "    ", depth + 1,
-                   self.draw(st.integers(1, self.max_body)))
-        self.body_start.pop()
+        body_scope, body_used, body = self.region_body(scope, "        " if module else "    ",
+                                                       depth)
         defined = [v for v in body_scope if v not in scope]
         outs = [v.name for v in defined]
         ret = f"return ({', '.join(outs)}{',' if outs else ''})"
@@ -704,49 +707,37 @@ class _BGen(_Gen):
                 stmt = "with torch.no_grad():\n    " + stmt
         elif kind == "param_mut":
             ps = ["w", "b"] + [f"mods[{m!r}].{p}" for m in self.modules for p in ("w", "b")]
-            forms = list(PARAM_MUTATIONS)
-            if "foreach" in f:
-                forms += FOREACH_PARAM_MUTATIONS
-            form = self.draw(st.sampled_from(forms))
-            if form in FOREACH_PARAM_MUTATIONS:
-                self.used_features.add("foreach")
+            form = self.in_place_form(PARAM_MUTATIONS, FOREACH_PARAM_MUTATIONS, f)
             stmt = "with torch.no_grad():\n    " + form.format(p=self.draw(st.sampled_from(ps)))
         elif kind == "buffer":
             bs = ["buf", "rm", "rv"] + [f"mods[{m!r}].buf" for m in self.modules]
-            forms = list(BUFFER_MUTATIONS)
-            if "foreach" in f:
-                forms += FOREACH_BUFFER_MUTATIONS
-            form = self.draw(st.sampled_from(forms))
-            if form in FOREACH_BUFFER_MUTATIONS:
-                self.used_features.add("foreach")
+            form = self.in_place_form(BUFFER_MUTATIONS, FOREACH_BUFFER_MUTATIONS, f)
             stmt = form.format(p=self.draw(st.sampled_from(bs)))
         else:
             stmt = "torch.set_default_dtype(torch.float64)"
         for line in stmt.split("\n"):
             lines.append(indent + line)
 
-    def block(self, scope: list[_Var], used: set[str], lines: list[str], indent: str,
-              depth: int, n: int) -> None:
-        for _ in range(n):
-            choices = ["op", "op", "op", "tag"]
-            if depth < self.max_depth:
-                choices.append("region")
-            if self.region_inputs or self.region_outputs or depth == 0:
-                choices.append("mutation")
-            kind = self.draw(st.sampled_from(choices))
-            if kind == "op":
-                self.op(scope, used, lines, indent)
-            elif kind == "tag":
-                self.tag(scope, used, lines, indent, depth > 0)
-            elif kind == "region":
-                self.region(scope, used, lines, indent, depth)
-            else:
-                # inside a region body only value updates (a nested region's boundary)
-                saved = self.features
-                if depth > 0:
-                    self.features = saved & {"input_mut", "output_mut", "foreach"}
-                self.mutation(scope, used, lines, indent, "program")
-                self.features = saved
+    def in_place_form(self, plain: Any, foreach: Any, features: Any) -> str:
+        """An in-place update's template: one of ``plain``, or of ``foreach`` too when that
+        feature is on (then marked used when drawn)."""
+        form = self.draw(st.sampled_from(list(plain) + (list(foreach) if "foreach" in features
+                                                        else [])))
+        if form in foreach:
+            self.used_features.add("foreach")
+        return form
+
+    def other_statements(self, depth: int) -> list[str]:
+        return ["mutation"] if self.region_inputs or self.region_outputs or depth == 0 else []
+
+    def other_statement(self, kind: str, scope: list[_Var], used: set[str], lines: list[str],
+                        indent: str, depth: int) -> None:
+        # inside a region body only value updates (a nested region's boundary)
+        saved = self.features
+        if depth > 0:
+            self.features = saved & {"input_mut", "output_mut", "foreach"}
+        self.mutation(scope, used, lines, indent, "program")
+        self.features = saved
 
     def program(self) -> BoundaryProgram:  # type: ignore[override]
         self.regions_header: list[str] = []

@@ -417,18 +417,28 @@ def run(fn: Any, seed: int = 0) -> RunResult:
                      {k: inputs[k].clone() for k in BUFFERS}, rng_after)
 
 
+def _assert_same(a: Any, b: Any, what: str, where: str, *, rtol: float, atol: float,
+                 cls: type | None = None, first_line: bool = False) -> None:
+    """``b`` (got) equals ``a`` (reference) within tolerance, or ``cls`` (FuzzFailure by
+    default) naming ``where``; None and an all-zero gradient mean the same."""
+    cls = cls or FuzzFailure
+    if a is None or b is None:
+        other = b if a is None else a
+        if other is not None and other.any():
+            raise cls(f"{what}: {where} is None on one side only")
+        return
+    try:
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError as e:
+        if first_line:
+            first = str(e).strip().split("\n")[0]
+            raise cls(f"{what}: {where} differs from the reference\n{first}") from None
+        raise cls(f"{what}: {where} differs from the reference: {e}") from None
+
+
 def _compare(what: str, ref: RunResult, got: RunResult, *, rtol: float, atol: float) -> None:
     def close(a: Any, b: Any, where: str) -> None:
-        if a is None or b is None:
-            # None and an all-zero gradient mean the same
-            other = b if a is None else a
-            if other is not None and other.any():
-                raise FuzzFailure(f"{what}: {where} is None on one side only")
-            return
-        try:
-            torch.testing.assert_close(b, a, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError as e:
-            raise FuzzFailure(f"{what}: {where} differs from the reference: {e}") from None
+        _assert_same(a, b, what, where, rtol=rtol, atol=atol)
 
     if len(ref.outs) != len(got.outs):
         raise FuzzFailure(f"{what}: {len(got.outs)} outputs, reference has {len(ref.outs)}")
@@ -829,17 +839,8 @@ def _compare_boundary(what: str, ref: BoundaryRun, got: BoundaryRun, *, rtol: fl
     if ref.values.keys() != got.values.keys():
         raise cls(f"{what}: results {sorted(got.values)}, reference {sorted(ref.values)}")
     for where, a in ref.values.items():
-        b = got.values[where]
-        if a is None or b is None:
-            other = b if a is None else a
-            if other is not None and other.any():
-                raise cls(f"{what}: {where} is None on one side only")
-            continue
-        try:
-            torch.testing.assert_close(b, a, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError as e:
-            first = str(e).strip().split("\n")[0]
-            raise cls(f"{what}: {where} differs from the reference\n{first}") from None
+        _assert_same(a, got.values[where], what, where, rtol=rtol, atol=atol, cls=cls,
+                     first_line=True)
     if rng:
         try:
             torch.testing.assert_close(got.rng_after, ref.rng_after, rtol=0, atol=0)
