@@ -110,6 +110,11 @@ class Decision:
     def label(self) -> str:
         return "SaveWithHooks" if self.hooks is not None else self.policy.name
 
+    @property
+    def stored_off_device(self) -> bool:
+        """Saved, and not as is on the device: offloaded to the host or packed by hooks."""
+        return self.saves and (self.offloads or self.hooks is not None)
+
     def reason(self) -> str:
         if self.source == "default":
             return f"{self.label} by default (no policy had an opinion)"

@@ -160,7 +160,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
                options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False})
     if res.x is None:
         return None
-    x = np.round(res.x).astype(int) if res.x is not None else None
+    x = np.round(res.x).astype(int)
     kept, on_host, recomputed = set(), set(), set()
     for i in range(n):
         if p.recompute[i] not in (0, INF) and x[2 * i] == 0:

@@ -253,8 +253,7 @@ def _tie_break(v: fx.Node) -> float:
                                     and costs.is_view(base.args[0]))):
         base = base.args[0]
         bdec = base.meta.get("sac_decision") if isinstance(base, fx.Node) else None
-        storage = storage or (bdec is not None and bdec.saves
-                              and (bdec.offloads or bdec.hooks is not None))
+        storage = storage or (bdec is not None and bdec.stored_off_device)
     if base is v:
         return 0.0
     return -1.0 if storage else 1.0

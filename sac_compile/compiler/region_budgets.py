@@ -51,21 +51,26 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
     problem = ExactProblem.from_network(net)
     idx = net.cls.index
     base = _cut(net, problem, objective, source_side(net, solver), 1.0)
-    base_dev = dict(zip(base.kept, net.device_bytes(base.kept)))
     cap_all = None
     if budget is not None:
         cap_all = budget * base.nbytes if isinstance(budget, float) else float(budget)
+
+    def group_bytes(cut: Cut, members: set[int]) -> float:
+        """Device bytes ``cut`` keeps of ``members``, with their recomputes' RNG states."""
+        kept = sum(nbytes for v, nbytes in zip(cut.kept, net.device_bytes(cut.kept, cut.w))
+                   if idx[v] in members)
+        return kept + sum(net.recompute_bytes.get(i, 0.0) for i in cut.recomputed
+                          if i in members)
+
     group_caps, lines = [], []
+    fits = cap_all is None or base.nbytes <= cap_all
     w_min = 1e-9
     for b in sorted(set(regions.values())):
         members = {idx[v] for v, bv in regions.items() if bv == b and v in idx
                    and _is_activation(net, idx[v])}
         if not members:
             continue
-        def rng(cut: Cut) -> float:
-            return sum(net.recompute_bytes.get(i, 0.0) for i in cut.recomputed if i in members)
-
-        most = sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in members) + rng(base)
+        most = group_bytes(base, members)
         edges = []
         for u, v, c in net.capacities(w_min, TILT):
             i = u // 2
@@ -73,17 +78,15 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
                     and _is_activation(net, i):
                 c = c * w_min
             edges.append((u, v, c))
-        low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
-        least = sum(bytes_ for v, bytes_ in zip(low.kept, net.device_bytes(low.kept, w_min))
-                    if idx[v] in members) + rng(low)
+        least = group_bytes(
+            _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min),
+            members)
         cap = least + b * max(most - least, 0)
+        fits = fits and most <= cap
         group_caps.append((sorted(members), cap))
         lines.append(f"region_activation_memory_budget({b:g}): {len(members)} values, cap "
                      f"{fmt_bytes(cap)} (least {fmt_bytes(least)}, unconstrained "
                      f"{fmt_bytes(most)})")
-    fits = all(sum(bytes_ for v, bytes_ in base_dev.items() if idx[v] in set(m))
-               + sum(net.recompute_bytes.get(i, 0.0) for i in base.recomputed if i in set(m))
-               <= cap for m, cap in group_caps) and (cap_all is None or base.nbytes <= cap_all)
     if fits:
         res = BudgetResult(base.kept, budget if budget is not None else 1.0,
                            cap_all if cap_all is not None else base.nbytes, base.nbytes,

@@ -55,7 +55,7 @@ class StorageNote:
 
 def _storage_decision(node: fx.Node) -> Decision | None:
     dec = node.meta.get("sac_decision")
-    if dec is not None and dec.saves and (dec.offloads or dec.hooks is not None):
+    if dec is not None and dec.stored_off_device:
         return dec
     return None
 
