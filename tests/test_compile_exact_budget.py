@@ -119,3 +119,34 @@ def test_large_splits_fill_the_slack_instead(monkeypatch):
         assert res.method.startswith("Lagrangian search")
         assert res.cost <= res.lagrangian_cost
         assert res.activation_bytes <= res.budget_bytes
+
+
+@pytest.mark.parametrize("budget", [None, 0.5, 0.1])
+def test_a_budgeted_region_whose_input_is_changed_before_backward_is_never_silently_wrong(
+        budget):
+    """Around the region: the caller updates the region's input in place between forward
+    and backward (a residual). Whatever the budget makes the cut keep, the gradients are
+    those of plain autograd, or autograd's in-place error - never silently different."""
+    @sac_region(policies.relaxed(policies.save_matmuls), name=f"Res_{budget}")
+    def block(h, w):
+        return ((h * 2.0) @ w).sin() @ w
+
+    def caller(run, x, w):
+        h = x * 1
+        out = run(h, w)
+        h += out
+        return h.sum()
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    caller(lambda h, w: ((h * 2.0) @ w).sin() @ w, ref_x, ref_w).backward()
+    f = torch.compile(block, backend=make_backend(compiler="aot_eager", memory_budget=budget))
+    try:
+        caller(f, x, w).backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return
+    assert torch.allclose(x.grad, ref_x.grad, atol=1e-5)
+    assert torch.allclose(w.grad, ref_w.grad, atol=1e-5)
