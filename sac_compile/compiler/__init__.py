@@ -19,11 +19,15 @@ Modules, one concern each:
 * :mod:`.reasons` - why a value is saved or cannot be recomputed: a kind and a text.
 * :mod:`.partition` - :class:`SACPartitioner`, torch's ``CustomPartitionerFn``.
 * :mod:`.backend` - ``sac_backend`` and ``make_backend``.
+* :mod:`.named_backends` - the same under names: ``backend="sac_inductor"``/``"sac_aot_eager"``.
 * :mod:`.regions_compiled` - ``sac_region``/``checkpoint``/``tag``/``name`` under compile.
 """
 from . import regions_compiled  # noqa: F401  (quiets torch's context_fn warning for our regions)
 from .backend import make_backend, sac_backend
 from .network import CostModel
+from .named_backends import register as _register_backend_names
 from .partition import SACPartitioner
+
+_register_backend_names()  # entry points cover installs; this covers a bare checkout
 
 __all__ = ["CostModel", "SACPartitioner", "make_backend", "sac_backend"]
