@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 
-__all__ = ["PartitionReport", "SavedTensorRecord", "fmt_bytes"]
+__all__ = ["PartitionReport", "SavedTensorRecord", "MemoryPeak", "fmt_bytes"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -52,6 +52,51 @@ class SavedTensorRecord:
     on_host: bool = False  # offloaded: kept in host memory, not on the device
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryPeak:
+    """The most activation bytes alive at once over a forward and its backward, in the order
+    they run (compile: a walk of the split's final graphs, :mod:`.compiler.peak`; eager: the
+    runtime's accounting of kept values plus the replay working set).
+
+    Counted: every value the forward or the backward computes (recomputed values and the
+    backward's gradients of activations included), from the op that makes it until its last
+    use; a view shares its base's storage; what the forward hands to the backward (and a
+    graph's outputs) until the backward has read it the last time. Not counted: inputs and
+    parameters, and the gradients handed back to autograd (the backward's outputs).
+    ``at_peak``: what is alive at the peak, as ``(kind, region, bytes)``: kind ``forward``,
+    ``kept`` (handed from forward to backward), ``recomputed``, ``backward`` (gradients and
+    the backward's own working values); region ``""`` outside every region."""
+
+    forward: int                   # the forward's peak
+    backward: int                  # the backward's peak
+    phase: str                     # "forward" | "backward": where the larger one is
+    after: str = ""                # the op after which the peak is reached
+    at_peak: tuple[tuple[str, str, int], ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        return max(self.forward, self.backward)
+
+    def by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for kind, _, n in self.at_peak:
+            out[kind] = out.get(kind, 0) + n
+        return out
+
+    def line(self) -> str:
+        """One line: the peak, where, and what is alive then by kind and region."""
+        parts = []
+        for kind, total in self.by_kind().items():
+            regions = [(r or "outside regions", n) for k, r, n in self.at_peak if k == kind]
+            detail = ", ".join(f"{r} {fmt_bytes(n)}" for r, n in regions[:4])
+            more = f", +{len(regions) - 4} regions" if len(regions) > 4 else ""
+            parts.append(f"{kind} {fmt_bytes(total)} ({detail}{more})")
+        where = f" after {self.after}" if self.after else ""
+        return (f"peak {fmt_bytes(self.bytes)} in {self.phase}{where} (forward "
+                f"{fmt_bytes(self.forward)}, backward {fmt_bytes(self.backward)}): "
+                + "; ".join(parts))
+
+
 @dataclasses.dataclass
 class PartitionReport:
     mode: str = "compile"
@@ -67,6 +112,8 @@ class PartitionReport:
     evicted: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
     # eager explain: bytes autograd keeps outside every region (parameters excluded)
     outside_bytes: int | None = None
+    # live activation bytes over forward and backward (None: not measured)
+    peak: MemoryPeak | None = None
 
     @property
     def coverage(self) -> str:
@@ -163,6 +210,8 @@ class PartitionReport:
         estimated = self.cost_estimated
         if estimated:
             out.append(f"  cost estimated (no FLOP formula; from shapes): {', '.join(estimated)}")
+        if self.peak is not None:
+            out.append(f"  {self.peak.line()}")
         out.append(f"  covers {self.coverage}")
         if self.timings:
             out.append("  time: " + ", ".join(f"{k} {v * 1e3:.1f} ms"

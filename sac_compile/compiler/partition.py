@@ -30,7 +30,10 @@ from . import costs
 from .budget import budget_label, check_budget, solve_with_budget
 from .network import CostModel, build_flow_network, classify
 from .region_budgets import region_budget_annotations, solve_with_region_budgets
+from .final_graphs import recomputed_names, rng_replays
 from .normalize import normalize_tags
+from .order import raise_getitems_in_place, reorder_like_autograd
+from .peak import estimate_peak
 from .reasons import Reason, ReasonKind
 from .roles import Role, node_role, static_inputs
 from .solvers import default_solver, solve
@@ -41,7 +44,8 @@ __all__ = ["SACPartitioner"]
 P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 _HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
-                   "budget", "region_budgets", "exact", "reasons", "partition")
+                   "budget", "region_budgets", "exact", "reasons", "order", "final_graphs",
+                   "peak", "partition")
 
 
 def _code_hash() -> str:
@@ -161,10 +165,7 @@ class SACPartitioner(CustomPartitionerFn):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
             lap("upstream")
             report.solver = "upstream"
-            fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-            recomputed = [n.name for n in bw.graph.nodes if n.op == "call_function"
-                          and n.name in fw_ops and n.target is not operator.getitem
-                          and not costs.is_sym(n)]
+            recomputed = recomputed_names(fw, bw)
             saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
             self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
             return fw, bw
@@ -264,6 +265,7 @@ class SACPartitioner(CustomPartitionerFn):
         saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
         joint = {n.name: n for n in gm.graph.nodes}
         random_recomputed = [joint[name] for name in recomputed if costs.is_random(joint[name])]
+        replays = rng_replays(bw, [n.name for n in random_recomputed])
         if random_recomputed:
             # torch functionalises only ops tagged *_RECOMPUTE; a random op the cut chose to
             # recompute against its tag (a PREFER_SAVE evicted by a memory budget, say)
@@ -273,10 +275,11 @@ class SACPartitioner(CustomPartitionerFn):
                     node.meta["recompute"] = P.PREFER_RECOMPUTE
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
             lap("rng")
-        reorder_like_autograd(bw)
+        reorder_like_autograd(bw)  # (erases what no backward op needs)
         raise_getitems_in_place(fw)
         lap("reorder")
-        return fw, bw, saved_names, recomputed
+        # The report describes the backward that runs: read off the final graphs.
+        return fw, bw, saved_names, recomputed_names(fw, bw, replays)
 
     def _finish(self, report: PartitionReport, gm: fx.GraphModule, fw: fx.GraphModule,
                 bw: fx.GraphModule, saved_names: list[str], recomputed: list[str],
@@ -304,6 +307,7 @@ class SACPartitioner(CustomPartitionerFn):
         report.recomputed = [costs.op_label(joint[name]) for name in recomputed]
         report.recomputed_regions = [_region(joint[name]) for name in recomputed]
         report.recompute_flops = sum(costs.flops(joint[name]) for name in recomputed)
+        report.peak = estimate_peak(fw, bw, gm)
         report.timings = timings
         for mod in (fw, bw):
             for n in mod.graph.nodes:
@@ -353,60 +357,6 @@ def _is_assert_only_symbool(node: fx.Node) -> bool:
     except ImportError:  # pragma: no cover - older torch
         return False
     return bool(upstream(node))
-
-
-def raise_getitems_in_place(gm: fx.GraphModule) -> None:
-    """Each ``getitem`` right after its producer (as torch's ``raise_getitems``), no copy."""
-    for node in reversed(list(gm.graph.find_nodes(op="call_function", target=operator.getitem))):
-        node.all_input_nodes[0].append(node)
-    gm.recompile()
-
-
-def reorder_like_autograd(gm: fx.GraphModule) -> None:
-    """Move recomputed forward ops next to the backward ops that need them, in place.
-
-    Same order as torch's ``reordering_to_mimic_autograd_engine`` (each backward op, in
-    order, preceded by its not yet placed inputs in graph order) but by moving nodes within
-    the graph's linked list - O(nodes + edges) and no node copies - then raising getitems.
-    """
-    graph = gm.graph
-    nodes = list(graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    tangents = [n for n in nodes if node_role(n) is Role.TANGENT]
-    users = [u for t in tangents for u in t.users]
-    if not users:
-        raise_getitems_in_place(gm)
-        return
-    first = min(order[u] for u in users)
-    placed = {n for n in nodes if n.op == "placeholder"}
-    cursor = [n for n in nodes if n.op == "placeholder"][-1] if placed else None
-
-    def place(root: fx.Node) -> None:
-        nonlocal cursor
-        todo, stack = [], [root]
-        while stack:
-            n = stack.pop()
-            if n in placed:
-                continue
-            placed.add(n)
-            todo.append(n)
-            stack.extend(n.all_input_nodes)
-        for n in sorted(todo, key=order.__getitem__):
-            if cursor is None:
-                nodes[0].prepend(n)
-            else:
-                cursor.append(n)
-            cursor = n
-
-    for n in nodes[:first]:
-        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
-            place(n)
-    for n in nodes[first:]:
-        place(n)
-    for n in reversed(nodes):
-        if n not in placed and not n.users:
-            graph.erase_node(n)
-    raise_getitems_in_place(gm)
 
 
 def _region(node: fx.Node) -> str:

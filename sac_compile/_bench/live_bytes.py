@@ -1,0 +1,123 @@
+"""Live activation bytes at run time, on any device, without an allocator: a dispatch mode
+that sees every storage an ATen op creates and a finalizer that sees it freed.
+
+``with LiveBytes() as meter: loss = f(x); meter.mark("backward"); loss.backward()``, then
+``meter.peak("backward")`` is the most bytes alive at once during the backward (what the
+forward kept included), ``meter.at("backward")`` the bytes alive when it began.
+
+What counts: a storage is *new* when an op returns a tensor whose storage is none of the
+op's inputs' storages (a view or an in-place op creates nothing); it counts from that op
+until its Python storage object is collected (torch keeps one Python object per storage
+while any tensor uses it, so the finalizer runs when the memory is released). Storages
+that existed before the mode (parameters, inputs) are never counted, nor those given to
+:meth:`LiveBytes.exclude` afterwards (e.g. the parameters' ``.grad``: gradients handed
+back to autograd, not activations): their bytes leave the whole history.
+
+The mode ignores compile internals (Dynamo compiles with it active); what a compiled
+function runs is seen only where it dispatches ATen ops (``aot_eager``), not Inductor's
+generated kernels, which allocate directly. Nothing here imports the rest of sac_compile.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """See the module docstring."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._serials = itertools.count()
+        self._live: dict[int, int] = {}            # id(storage object) -> serial
+        self._sizes: dict[int, int] = {}           # serial -> bytes
+        self._events: list[tuple[int, int]] = []   # (serial, +1 created / -1 freed)
+        self._marks: dict[str, int] = {}           # phase -> index into _events
+        self._excluded: set[int] = set()
+
+    # -- recording ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and _has_storage(t)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _has_storage(t):
+                st = t.untyped_storage()
+                if id(st) not in inputs and id(st) not in self._live and st.nbytes():
+                    self._track(st)
+        return out
+
+    def _track(self, st: Any) -> None:
+        serial = next(self._serials)
+        key = id(st)
+        self._live[key] = serial
+        self._sizes[serial] = st.nbytes()
+        self._events.append((serial, 1))
+        weakref.finalize(st, self._freed, key, serial)
+
+    def _freed(self, key: int, serial: int) -> None:
+        if self._live.get(key) == serial:
+            del self._live[key]
+        self._events.append((serial, -1))
+
+    def mark(self, phase: str) -> None:
+        """Start ``phase`` now (it lasts until the next mark)."""
+        self._marks[phase] = len(self._events)
+
+    def exclude(self, tensors: Iterable[Any]) -> None:
+        """Never count the storages of these tensors (still alive now), past or future."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _has_storage(t):
+                serial = self._live.get(id(t.untyped_storage()))
+                if serial is not None:
+                    self._excluded.add(serial)
+
+    # -- reading -----------------------------------------------------------------------
+    def _curve(self) -> list[int]:
+        """Live bytes after each event (index 0: before any)."""
+        total, out = 0, [0]
+        for serial, sign in self._events:
+            if serial not in self._excluded:
+                total += sign * self._sizes[serial]
+            out.append(total)
+        return out
+
+    def _span(self, phase: str | None) -> tuple[int, int]:
+        if phase is None:
+            return 0, len(self._events)
+        start = self._marks[phase]
+        later = [i for i in self._marks.values() if i > start]
+        return start, min(later, default=len(self._events))
+
+    def peak(self, phase: str | None = None) -> int:
+        """Most bytes alive at once during ``phase`` (None: the whole run)."""
+        lo, hi = self._span(phase)
+        return max(self._curve()[lo:hi + 1])
+
+    def at(self, phase: str) -> int:
+        """Bytes alive when ``phase`` began."""
+        return self._curve()[self._marks[phase]]
+
+    @property
+    def now(self) -> int:
+        return self._curve()[-1]
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        return t.layout is torch.strided and not t.is_nested and t.device.type != "meta" \
+            and t.untyped_storage() is not None
+    except (RuntimeError, NotImplementedError):  # a subclass or a sparse tensor
+        return False

@@ -1,0 +1,54 @@
+"""What the final forward/backward graphs do, for the report: the forward ops the backward
+re-runs, read off the graphs that run (after RNG functionalisation, reordering and dead-code
+erasure), never off an intermediate list: an op erased later (a dead ``wait_tensor``
+chain, a random op's unused copy) is not recomputed, and the report must not say it is.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import costs
+
+__all__ = ["recomputed_names", "rng_replays"]
+
+
+def _run_with_rng_state() -> object:
+    return torch._prims.rng_prims.run_with_rng_state
+
+
+def rng_replays(bw: fx.GraphModule, random_names: list[str]) -> dict[tuple, str]:
+    """Before torch's RNG functionalisation: a key for each random op the backward
+    recomputes (its target and arguments), mapped to its name. The functionalised node
+    (``run_with_rng_state(state, target, *args)``) has a name of its own and keeps those
+    arguments, so :func:`recomputed_names` can name the op it replays."""
+    wanted = set(random_names)
+    return {_key(n.target, n.args): n.name for n in bw.graph.nodes
+            if n.op == "call_function" and n.name in wanted}
+
+
+def _key(target: object, args: tuple) -> tuple:
+    return (target, tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
+
+
+def recomputed_names(fw: fx.GraphModule, bw: fx.GraphModule,
+                     replays: dict[tuple, str] | None = None) -> list[str]:
+    """Names (joint-graph names) of the forward ops the final backward runs, in its order:
+    a backward node named like a forward op (extraction copies names), or a functionalised
+    random op (``replays`` from :func:`rng_replays`). Getitems and symbolic values are
+    not ops."""
+    fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    replay_target = _run_with_rng_state()
+    out: list[str] = []
+    for n in bw.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem or costs.is_sym(n):
+            continue
+        if n.name in fw_names:
+            out.append(n.name)
+        elif replays and n.target is replay_target and len(n.args) >= 2:
+            name = replays.get(_key(n.args[1], tuple(n.args[2:])))
+            if name is not None:
+                out.append(name)
+    return out
