@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow demo bench fuzz clean
+.PHONY: setup test test-slow demo bench fuzz gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,16 @@ bench: setup
 	$(PY) benchmarks/partition.py
 	$(PY) benchmarks/pareto.py --quick
 	$(PY) benchmarks/offload.py
+
+# The GPU check (issue 21): CUDA tests, a Llama-style step per strategy, offload rows and
+# eager overhead, in under 8 minutes; writes $(GPU_CHECK_OUT)/gpu_check.{md,json}. Needs
+# only torch (+ numpy, scipy, pytest for the tests), so no setup: on a CUDA machine run
+# `PYTHONPATH=. python benchmarks/gpu_check.py --out DIR`. GPU_CHECK_ARGS='--device cpu
+# --quick' runs the same harness at tiny sizes on the CPU.
+GPU_CHECK_OUT ?= gpu_check_out
+GPU_CHECK_PY ?= $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	PYTHONPATH=. $(GPU_CHECK_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 # >= 2,000 random programs (eager and compiled) against no checkpointing; prints counts and,
 # on a failure, a shrunk standalone repro.

@@ -48,6 +48,13 @@ N_STEPS = 1000
 CHAIN_TARGET = 0.5     # ours per-op overhead / torch SAC's
 MLP_TIME_TARGET = 1.05  # ours step time / no-AC
 
+#: Column names of the rows bench_chains and bench_mlp return.
+CHAIN_HEADER = ["chain", "no-AC ms", "empty mode us/op", "torch SAC us/op", "ours us/op",
+                "ours/torch", "target", "result"]
+MLP_TIME_HEADER = ["strategy", "step ms", "vs no AC", "target", "result"]
+MLP_BYTES_HEADER = ["strategy", "activations kept", "policy-saved", "recomputed ops",
+                    "max |grad diff|", "target", "result"]
+
 
 def chain_a(x: torch.Tensor) -> torch.Tensor:
     for _ in range(N_STEPS):
@@ -96,9 +103,20 @@ def _pass_through(chain, x) -> None:
     out.sum().backward()
 
 
-def bench_chains(reps: int) -> list[list[str]]:
+def _synced(fn, device: str):
+    """``fn`` followed by a device synchronisation (timings then include the kernels)."""
+    if not str(device).startswith("cuda"):
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return run
+
+
+def bench_chains(reps: int, device: str = "cpu") -> list[list[str]]:
     rows = []
-    x = torch.randn(16, requires_grad=True)
+    x = torch.randn(16, device=device, requires_grad=True)
     torch_ctx = partial(create_selective_checkpoint_contexts, _torch_recompute_all)
     for label, chain in (("A: x*1.0001+0.0001", chain_a), ("B: (x*1.0001).sin()", chain_b)):
         n_ops = sum(count_aten_ops(chain, x).values())
@@ -111,6 +129,7 @@ def bench_chains(reps: int) -> list[list[str]]:
         if sac_compile is not None:
             fns["ours"] = lambda: sac_compile.checkpoint(chain, x, policy="recompute_all"
                                                          ).sum().backward()
+        fns = {k: _synced(fn, device) for k, fn in fns.items()}
         timings = interleaved_medians(fns, reps=reps, warmup=2)
         t = {k: v.median for k, v in timings.items()}
         per_op = {k: paired(timings, k, "noac", lambda a, b: a - b) / n_ops
@@ -130,8 +149,9 @@ def bench_chains(reps: int) -> list[list[str]]:
     return rows
 
 
-def bench_mlp(reps: int, budget_s: float) -> tuple[list[list[str]], list[list[str]]]:
-    model, inputs = make_model("mlp", size="bench", seed=0)
+def bench_mlp(reps: int, budget_s: float, device: str = "cpu",
+              size: str = "bench") -> tuple[list[list[str]], list[list[str]], int]:
+    model, inputs = make_model("mlp", size=size, seed=0, device=device)
 
     # Gradients accumulate across timed steps (no zeroing) for every strategy alike: freeing
     # and reallocating 256 MiB of grads each step made the timings bimodal on this machine.
@@ -140,7 +160,7 @@ def bench_mlp(reps: int, budget_s: float) -> tuple[list[list[str]], list[list[st
             with ctx_factory():
                 out = loss_fn(model(*inputs))
             out.backward()
-        return run
+        return _synced(run, device)
 
     fns = {"noac": step(contextlib.nullcontext),
            "torch": step(lambda: torch_sac_blocks(model, TorchSAC(TORCH_SAVE_MATMUL_OPS)))}
@@ -200,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlp-reps", type=int, default=15)
     parser.add_argument("--mlp-budget-s", type=float, default=60.0,
                         help="stop MLP rounds early (after 3) once this much time is spent")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronised)")
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -215,22 +236,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n1. Per-op overhead vs no checkpointing, recompute-everything policy, 16 elements, "
           "forward+backward")
-    print(_table(bench_chains(args.chain_reps),
-                 ["chain", "no-AC ms", "empty mode us/op", "torch SAC us/op", "ours us/op",
-                  "ours/torch", "target", "result"]))
+    print(_table(bench_chains(args.chain_reps, args.device), CHAIN_HEADER))
     print("empty mode: a dispatch mode that only runs each op, the floor under both torch SAC "
           "and ours;\nthe ours/torch target cannot be met where the floor alone exceeds half "
           "of torch SAC's overhead.")
 
     print("\n2. 8-layer MLP [64x1024, 1024->4096->1024, LayerNorm], every block checkpointed, "
           "save matmuls")
-    time_rows, byte_rows, rounds = bench_mlp(args.mlp_reps, args.mlp_budget_s)
-    print(_table(time_rows, ["strategy", "step ms", "vs no AC", "target", "result"]))
+    time_rows, byte_rows, rounds = bench_mlp(args.mlp_reps, args.mlp_budget_s, args.device)
+    print(_table(time_rows, MLP_TIME_HEADER))
     print(f"step: forward+backward; ms: median of {rounds} interleaved rounds; vs no AC: "
           f"median of the per-round ratios.")
     print()
-    print(_table(byte_rows, ["strategy", "activations kept", "policy-saved", "recomputed ops",
-                             "max |grad diff|", "target", "result"]))
+    print(_table(byte_rows, MLP_BYTES_HEADER))
     print("activations kept: unique storages held for backward after forward, parameters "
           "excluded, block inputs included for both checkpointing strategies; policy-saved: "
           "torch SAC's cache / sac_compile's collect_stats().saved_bytes.")

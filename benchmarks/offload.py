@@ -623,7 +623,8 @@ def target_line(rows: list[Row]) -> str:
 
 # --------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's flags (``benchmarks/gpu_check.py`` takes its defaults from here)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="",
                         help="comma-separated keys: " + ", ".join(c.key for c in CONFIGS))
@@ -640,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grad-check", action="store_true")
     parser.add_argument("--meta", action="store_true",
                         help="the graph-level (meta device) table even with CUDA")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     wanted = {k.strip() for k in args.configs.split(",") if k.strip()}
     unknown = wanted - {c.key for c in CONFIGS}
