@@ -5,7 +5,7 @@ The public surface::
 
     CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
     sac_region, checkpoint, apply_regions, tag, name                   # where they apply
-    policies                                                           # presets that compose
+    policies, per_call                                # presets that compose; per-call state
     sac_backend, make_backend, SACPartitioner                          # torch.compile
     explain, PartitionReport, SavedTensorRecord                        # what was decided, why
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 from . import logs, policies  # logs: honours SAC_COMPILE_LOGS for every user, CLI or not
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
+from .per_call import per_call
 from .regions import apply_regions, checkpoint, name, sac_region, tag
 
 # The compiler side imports torch._dynamo and Inductor: loaded on first use, so eager-only
@@ -38,5 +39,5 @@ def __getattr__(attr: str) -> Any:
 
 
 __all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
-           "logs", "name", "policies", "sac_region", "tag", *_LAZY]
+           "logs", "name", "per_call", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"

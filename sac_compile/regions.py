@@ -19,6 +19,7 @@ from torch import nn
 
 from . import runtime
 from .module_regions import RegionConfig, module_class, wrap_module
+from .per_call import PerCall, checkpoint_per_call
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
                      SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
@@ -274,8 +275,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIV
     * ``context_fn``: ``functools.partial(torch.utils.checkpoint.
       create_selective_checkpoint_contexts, policy_fn_or_list[, allow_cache_entry_mutation])``
       becomes this region's policy (and ``allow_cache_entry_mutation``); torch's
-      ``noop_context_fn`` means no policy (full recomputation). Any other ``context_fn``,
-      or one together with ``policy=``, raises ``TypeError``.
+      ``noop_context_fn`` means no policy (full recomputation). Any other function is
+      called once per region call, as torch does, and the policy is taken from the
+      contexts it returns (``lambda: create_selective_checkpoint_contexts(make_policy())``:
+      a fresh policy per call, see :mod:`sac_compile.per_call`). One together with
+      ``policy=`` raises ``TypeError``.
     * ``preserve_rng_state``: accepted; random ops always replay the generator state they
       saw (as torch's ``True``), so ``False`` changes nothing.
     * ``determinism_check``: ``"default"`` or ``"none"``; accepted. Recomputation replays
@@ -292,6 +296,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIV
     _check_target(fn)
     policy, allow = _checkpoint_options(policy, use_reentrant, context_fn, determinism_check)
     name = _region_name(fn)
+    if policy is _FROM_CONTEXT_FN or isinstance(policy, PerCall):  # a policy per call
+        make, kind = (context_fn, "contexts") if policy is _FROM_CONTEXT_FN else \
+            (policy.factory, "policy")
+        return checkpoint_per_call(fn, args, kwargs, make, kind, name)
     if torch.compiler.is_compiling():  # the policy is normalised where AOTAutograd traces
         from .compiler import regions_compiled
         return regions_compiled.checkpoint(fn, args, kwargs, policy, name, allow)
@@ -346,12 +354,15 @@ def _policy_of_context_fn(context_fn: Any) -> tuple[Any, bool]:
                 "policy=policy_fn instead")
         allow = args[1] if len(args) == 2 else keywords.get("allow_cache_entry_mutation", False)
         return policy, bool(allow)
+    if callable(context_fn):  # called once per region call (sac_compile.per_call)
+        return _FROM_CONTEXT_FN, False
     raise TypeError(
-        f"sac_compile.checkpoint: context_fn={context_fn!r} is not supported; only "
-        f"functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, "
-        f"policy_fn_or_list) is understood (it becomes the policy). Pass the policy "
-        f"directly, checkpoint(fn, *args, policy=policy_fn), and do other setup around the "
-        f"call")
+        f"sac_compile.checkpoint: context_fn={context_fn!r} is not callable; pass torch's "
+        f"form, a function returning create_selective_checkpoint_contexts(policy), or the "
+        f"policy itself, checkpoint(fn, *args, policy=policy_fn)")
+
+
+_FROM_CONTEXT_FN: Any = object()  # the policy comes from calling context_fn, once per call
 
 
 # --------------------------------------------------------------------------------------

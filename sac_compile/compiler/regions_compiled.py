@@ -204,8 +204,9 @@ def torch_sac_contexts(policy: Any) -> Any:
 
 
 def _is_ours(context_fn: Any) -> bool:
+    from .per_call_regions import per_call_contexts
     return context_fn_kind(context_fn) is not None or \
-        getattr(context_fn, "func", None) is torch_sac_contexts
+        getattr(context_fn, "func", None) in (torch_sac_contexts, per_call_contexts)
 
 
 def quiet_torch_context_fn_warning() -> None:

@@ -58,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..logs import warn_once_per_region
+from ..per_call import fresh_frame
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
                       RegionFrame, decide, foreign_tensor_message, warn_inert_policies)
 from .markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
@@ -279,7 +280,7 @@ def region_contexts(name: str, policy: Any, allow_cache_entry_mutation: bool = F
     the eager runtime instead, whose saved-tensor hooks take over from torch's: nothing is
     left for torch to recompute (which would redraw random ops and update buffers twice).
     """
-    frame = RegionFrame(name, policy)
+    frame = fresh_frame(RegionFrame(name, policy))  # per_call(...): built for this trace
     if _runs_eagerly():
         return _EagerRegion(frame, allow_cache_entry_mutation), contextlib.nullcontext()
     if _joint_tracing() and not partitioned_by_us():

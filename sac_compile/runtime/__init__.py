@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..per_call import fresh_frame
 from ..policy import RegionFrame
 from .record import RegionRecorder
 from .replay import unpack_hook
@@ -42,6 +43,7 @@ def active_recorder() -> RegionRecorder | None:
 @contextlib.contextmanager
 def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -> Iterator[None]:
     """Run the body as a region: the outermost one records, nested ones add their policy."""
+    frame = fresh_frame(frame)  # a per_call(...) policy: built for this call
     recorder = active_recorder()
     if recorder is not None:
         outer = recorder.frames
