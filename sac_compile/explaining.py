@@ -17,14 +17,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .policy import op_name
-from .report import PartitionReport, SavedTensorRecord
+from .report import MemoryPeak, PartitionReport, SavedTensorRecord
 
 __all__ = ["explain"]
 
 
-def _backward_of(out: Any) -> None:
+def _backward_of(out: Any, on_grads: Callable[[list[Any]], None] | None = None) -> None:
     """Run the whole backward of ``out`` (every saved tensor is unpacked, as in training),
-    leaving the ``.grad`` of every leaf it reaches as it was."""
+    leaving the ``.grad`` of every leaf it reaches as it was. ``on_grads(grads)`` sees the
+    gradients the backward gave the leaves before they are put back."""
     outputs = [t for t in torch.utils._pytree.tree_leaves(out)
                if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outputs:
@@ -35,6 +36,8 @@ def _backward_of(out: Any) -> None:
         t.grad = None
     try:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        if on_grads is not None:
+            on_grads([t.grad for t in leaves])
     finally:
         for t, g in zip(leaves, grads_before):
             t.grad = g
@@ -87,8 +90,9 @@ class _RecomputeFlops(TorchDispatchMode):
     with no other op in between; an op this mode saw is a replay iff the list grew by one
     before the next op (backward's own ops leave it unchanged)."""
 
-    def __init__(self, stats: Any) -> None:
+    def __init__(self, stats: Any, on_replay: Callable[[], None] | None = None) -> None:
         super().__init__()
+        self.on_replay = on_replay  # told right after a replayed op is found
         from .op_costs import op_flops
         self._op_flops = op_flops
         self.stats = stats
@@ -101,6 +105,8 @@ class _RecomputeFlops(TorchDispatchMode):
         if n != self.seen and self.last is not None and n == self.seen + 1 \
                 and self.stats.recomputed_ops[-1] == self.last[0]:
             self.flops += self.last[1]
+            if self.on_replay is not None:
+                self.on_replay()
         self.seen, self.last = n, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -158,15 +164,19 @@ class _OutsideBytes:
 
 
 def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> PartitionReport:
+    from .live_bytes import LiveBytes
     from .runtime import collect_stats
     outside = _OutsideBytes(_param_storages(fn))
-    with collect_stats() as stats:
+    meter = LiveBytes()  # the peak: kept values, the replays' and the backward's own
+    with collect_stats() as stats, meter:
         with torch.autograd.graph.saved_tensors_hooks(outside.pack, outside.unpack):
             out = fn(*args, **kwargs)
-        counter = _RecomputeFlops(stats)
+        meter.mark("backward")
+        counter = _RecomputeFlops(stats, on_replay=lambda: meter.relabel_last("recomputed"))
         with counter:
-            _backward_of(out)
+            _backward_of(out, on_grads=meter.exclude)  # leaves' gradients are autograd's
         counter.settle()
+        del out
     report = PartitionReport(mode="eager")
     report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region)
                     for r in stats.saved]
@@ -174,7 +184,20 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
     report.recomputed_regions = ["?"] * len(report.recomputed)
     report.recompute_flops = counter.flops
     report.outside_bytes = outside.nbytes
+    report.peak = _measured_peak(meter)
     return report
+
+
+def _measured_peak(meter: Any) -> MemoryPeak:
+    """A run's :class:`MemoryPeak` from its :class:`~sac_compile.live_bytes.LiveBytes`
+    (regions are not told apart at run time: every kind's region is ``""``)."""
+    forward, backward = meter.peak("forward"), meter.peak("backward")
+    phase = "backward" if backward >= forward else "forward"
+    order = ("forward", "kept", "recomputed", "backward")
+    kinds = meter.at_peak(phase)
+    return MemoryPeak(forward, backward, phase, "", tuple(
+        (k, "", kinds[k]) for k in sorted(kinds, key=lambda k: order.index(k)
+                                          if k in order else len(order))))
 
 
 def _mark_parameters(report: PartitionReport, params: set[str]) -> PartitionReport:
@@ -239,4 +262,7 @@ def _explain_compiled(fn: Callable[..., Any], args: tuple, kwargs: dict,
         for k, v in r.timings.items():
             merged.timings[k] = merged.timings.get(k, 0.0) + v
         merged.solver = r.solver
+    peaks = [r.peak for r in reports if r.peak is not None]
+    if peaks:  # splits run one after another: the largest is the step's (estimated) peak
+        merged.peak = max(peaks, key=lambda p: p.bytes)
     return merged

@@ -65,7 +65,8 @@ class MemoryPeak:
     parameters, and the gradients handed back to autograd (the backward's outputs).
     ``at_peak``: what is alive at the peak, as ``(kind, region, bytes)``: kind ``forward``,
     ``kept`` (handed from forward to backward), ``recomputed``, ``backward`` (gradients and
-    the backward's own working values); region ``""`` outside every region."""
+    the backward's own working values); region ``""`` outside every region or not known
+    (gradients; every value in eager mode, measured at run time)."""
 
     forward: int                   # the forward's peak
     backward: int                  # the backward's peak
@@ -87,10 +88,10 @@ class MemoryPeak:
         """One line: the peak, where, and what is alive then by kind and region."""
         parts = []
         for kind, total in self.by_kind().items():
-            regions = [(r or "outside regions", n) for k, r, n in self.at_peak if k == kind]
+            regions = [(r, n) for k, r, n in self.at_peak if k == kind and r]
             detail = ", ".join(f"{r} {fmt_bytes(n)}" for r, n in regions[:4])
             more = f", +{len(regions) - 4} regions" if len(regions) > 4 else ""
-            parts.append(f"{kind} {fmt_bytes(total)} ({detail}{more})")
+            parts.append(f"{kind} {fmt_bytes(total)}" + (f" ({detail}{more})" if detail else ""))
         where = f" after {self.after}" if self.after else ""
         return (f"peak {fmt_bytes(self.bytes)} in {self.phase}{where} (forward "
                 f"{fmt_bytes(self.forward)}, backward {fmt_bytes(self.backward)}): "

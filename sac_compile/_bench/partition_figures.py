@@ -35,10 +35,18 @@ class PartitionFigures:
     def recomputed_ops(self) -> int:
         return sum(s["recomputed_ops"] for s in self.splits)
 
+    @property
+    def peak_bytes(self) -> int | None:
+        """The largest split's peak of live activation bytes (the peak model of
+        :mod:`sac_compile.compiler.peak`; splits run one after another)."""
+        peaks = [s["peak_bytes"] for s in self.splits if s.get("peak_bytes") is not None]
+        return max(peaks) if peaks else None
+
     def add_report(self, report: Any) -> None:
         self.splits.append({"saved_bytes": report.saved_bytes,
                             "recompute_flops": report.recompute_flops,
-                            "recomputed_ops": len(report.recomputed)})
+                            "recomputed_ops": len(report.recomputed),
+                            "peak_bytes": report.peak.bytes if report.peak else None})
 
 
 def _upstream_recorder(figures: PartitionFigures) -> Any:
@@ -71,28 +79,26 @@ _UpstreamRecorder: Any = None
 
 def _record_upstream(figures: PartitionFigures, gm: torch.fx.GraphModule, joint_inputs: Any,
                      **kwargs: Any) -> Any:
-    import operator
-
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from ..compiler import costs
+    from ..compiler.final_graphs import recomputed_names
+    from ..compiler.peak import estimate_peak
     static_idx = set(kwargs.get("static_lifetime_input_indices") or ())
     primals = [n.name for n in gm.graph.find_nodes(op="placeholder")
                if str(n.target).startswith("primals")]
     static = {primals[i] for i in static_idx if i < len(primals)}
     joint = {n.name: n for n in gm.graph.nodes}
     fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-    fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-    recomputed = [joint[n.name] for n in bw.graph.nodes
-                  if n.op == "call_function" and n.name in fw_ops and n.name in joint
-                  and n.target is not operator.getitem and not costs.is_sym(n)]
+    recomputed = [joint[name] for name in recomputed_names(fw, bw) if name in joint]
     saved = [joint[n.name] for n in bw.graph.find_nodes(op="placeholder")
              if n.name in joint and "tangents" not in n.name and n.name not in static
              and not costs.is_sym(joint[n.name])]
     figures.splits.append({
         "saved_bytes": sum(costs.nbytes(n) for n in saved),
         "recompute_flops": sum(costs.flops(n) for n in recomputed),
-        "recomputed_ops": len(recomputed)})
+        "recomputed_ops": len(recomputed),
+        "peak_bytes": estimate_peak(fw, bw, gm).bytes})  # the same model as ours
     return fw, bw
 
 

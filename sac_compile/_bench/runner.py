@@ -25,9 +25,12 @@ How each figure is obtained:
   bytes the forward graph hands to the backward graph, from the partition (ours: its
   ``PartitionReport``; upstream: the same figure read off torch's partition). Parameters
   and buffers are never counted.
-* peak: CUDA ``max_memory_allocated`` above the step's start; on CPU, the runtime's own
-  accounting of live saved values: the kept bytes (saved values only grow in forward and
-  only shrink in backward, apart from recomputed values), stated as such.
+* peak: CUDA ``max_memory_allocated`` above the step's start. On CPU (no allocator
+  figure): eager strategies, the most live activation bytes during the step, counted at
+  run time (``sac_compile.live_bytes.LiveBytes``: storages ops create, until freed;
+  parameters, inputs and the leaves' gradients excluded); compiled strategies, the peak
+  model of the split (``sac_compile.compiler.peak``: the same count, walked over the
+  forward and backward graphs in the order they run; the largest split's).
 * recompute FLOPs: eager: ``FlopCounterMode`` over a whole step, minus no AC's count;
   compiled: the FLOPs of the ops the backward graph recomputes, by the same
   ``torch.utils.flop_counter`` rules.
@@ -188,6 +191,23 @@ class _Runner:
             out.backward()
         return step
 
+    def _live_peak(self, model: nn.Module, ctx: Callable[[], Any]) -> int:
+        """The most live activation bytes during one eager step, counted at run time."""
+        from ..live_bytes import LiveBytes
+        inputs = self.inputs
+        clear_grads(model, inputs)
+        torch.manual_seed(self.cfg.seed)
+        with LiveBytes() as meter:
+            with ctx():
+                out = loss_of(model(*inputs))
+            meter.mark("backward")
+            out.backward()
+            meter.exclude([t.grad for t in (*model.parameters(), *inputs)
+                           if isinstance(t, torch.Tensor)])
+            del out
+        clear_grads(model, inputs)
+        return meter.peak()
+
     def _flops(self, step: Callable[[], Any]) -> int:
         from torch.utils.flop_counter import FlopCounterMode
         with FlopCounterMode(display=False) as fc:
@@ -235,8 +255,8 @@ class _Runner:
             else:  # pragma: no cover
                 raise KeyError(key)
         row.grads = res_grads if key == "full_ac" else res.grads
-        row.peak_bytes = peak.get("peak", row.kept_bytes)
         ctx = (lambda: wrapped_blocks(model, wrap)) if wrap else contextlib.nullcontext
+        row.peak_bytes = peak.get("peak") or self._live_peak(model, ctx)
         row.step = self._step_fn(model, model, ctx)
         row.flops_total = self._flops(row.step)
         clear_grads(model, inputs)
@@ -278,7 +298,7 @@ class _Runner:
         if not figures.splits:
             row.note = "no partition was observed (an AOTAutograd cache hit?)"
         row.kept_bytes = figures.kept_bytes
-        row.peak_bytes = peak.get("peak", row.kept_bytes)
+        row.peak_bytes = peak.get("peak", figures.peak_bytes)
         row.recompute_flops = figures.recompute_flops
         row.recomputed_ops = figures.recomputed_ops
         row.step = step

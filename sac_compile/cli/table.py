@@ -86,8 +86,11 @@ def meta(cfg: ReportConfig, elapsed: float) -> dict[str, Any]:
                           "forward hands to its backward); parameters and buffers excluded",
             "peak_bytes": ("torch.cuda.max_memory_allocated during the step above its start"
                            if cfg.device.startswith("cuda") else
-                           "CPU: the runtime's own accounting of live saved values (bytes "
-                           "alive for backward when forward ends), not an allocator figure"),
+                           "CPU: the most live activation bytes during the step (parameters, "
+                           "inputs and leaves' gradients excluded): eager strategies counted "
+                           "at run time, compiled ones by the partitioner's peak model of "
+                           "its forward/backward graphs (the largest split's); not an "
+                           "allocator figure"),
             "recompute_flops": "FLOPs of forward ops re-run in backward, torch.utils."
                                "flop_counter rules (eager: FlopCounterMode over the step minus "
                                "no AC's; compiled: the partition's recomputed nodes)",

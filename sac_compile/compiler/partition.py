@@ -27,6 +27,7 @@ from ..policy import CheckpointPolicy
 from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from . import costs
+from .boundaries import BOUNDARY_KEY, solve_lowering_peak
 from .budget import budget_label, check_budget, solve_with_budget
 from .network import CostModel, build_flow_network, classify
 from .region_budgets import region_budget_annotations, solve_with_region_budgets
@@ -45,7 +46,7 @@ P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 _HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
                    "budget", "region_budgets", "exact", "reasons", "order", "final_graphs",
-                   "peak", "partition")
+                   "peak", "boundaries", "partition")
 
 
 def _code_hash() -> str:
@@ -178,18 +179,26 @@ class SACPartitioner(CustomPartitionerFn):
         lap("network")
         host, host_reason = [], ""
         regions = region_budget_annotations(cls.nodes)
+        # Each solve below goes through the region-boundary floor where that lowers the peak.
         if self.memory_budget is None and not regions:
-            saved, _ = solve(net, self.solver)
+            (saved, _), lines = solve_lowering_peak(gm, net, lambda n: solve(n, self.solver),
+                                                    lambda r: r[0])
+            report.notes.extend(lines)
             host = [v for v in net.offloaded(saved) if not _marked_offload(v)]
             host_reason = "kept on the host by the cut: transferring it costs less than " \
                           "keeping it on the device or recomputing it"
         else:
             if regions:  # torch's per-region budgets, honoured (torch ignores them with SAC)
-                res, lines = solve_with_region_budgets(net, regions, self.memory_budget,
-                                                       self.solver)
-                report.notes.extend(lines)
+                (res, lines), floor = solve_lowering_peak(
+                    gm, net, lambda n: solve_with_region_budgets(n, regions, self.memory_budget,
+                                                                 self.solver),
+                    lambda r: r[0].saved)
+                report.notes.extend(lines + floor)
             else:
-                res = solve_with_budget(net, self.memory_budget, self.solver)
+                res, floor = solve_lowering_peak(
+                    gm, net, lambda n: solve_with_budget(n, self.memory_budget, self.solver),
+                    lambda r: r.saved)
+                report.notes.extend(floor)
             saved = res.saved
             label = budget_label(self.memory_budget) if self.memory_budget is not None \
                 else "(per region)"
@@ -311,7 +320,7 @@ class SACPartitioner(CustomPartitionerFn):
         report.timings = timings
         for mod in (fw, bw):
             for n in mod.graph.nodes:
-                for key in META_KEYS:
+                for key in (*META_KEYS, BOUNDARY_KEY):
                     n.meta.pop(key, None)
         from .storage import annotate_report  # bytes and reasons of offloaded/packed values
         annotate_report(report, gm)
@@ -372,6 +381,8 @@ def _reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> Reason:
         return Reason(ReasonKind.INPUT, "input")
     base = node.args[0] if node.target is operator.getitem else node
     dec = node.meta.get("sac_decision")
+    if BOUNDARY_KEY in node.meta:
+        return Reason(ReasonKind.REGION_BOUNDARY, node.meta[BOUNDARY_KEY])
     if dec is None:
         return Reason(ReasonKind.MIN_CUT, "min-cut")
     if dec.policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD, P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD):

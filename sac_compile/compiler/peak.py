@@ -26,7 +26,7 @@ model is the order of the graphs as extracted, the same for every compiler.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from ..report import MemoryPeak
 from . import costs
 from .roles import Role, node_role
 
-__all__ = ["estimate_peak", "storage_base"]
+__all__ = ["estimate_peak", "cut_peak", "storage_base"]
 
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
@@ -89,44 +89,46 @@ def _tensors(val: Any) -> list[Any]:
 
 
 class _Walk:
-    """One graph's storages: who makes each, its bytes, its last use."""
+    """The storages of a node sequence that runs in order: who makes each, its bytes, its
+    last use. ``given``: nodes whose values exist when the sequence starts (a graph's
+    placeholders; the kept values of a candidate cut), each its own storage. ``outputs``:
+    nodes whose values outlive the sequence."""
 
-    def __init__(self, graph: fx.Graph) -> None:
-        self.nodes = [n for n in graph.nodes]
+    def __init__(self, seq: list[fx.Node], *, given: Iterable[fx.Node] = (),
+                 outputs: Iterable[fx.Node] = ()) -> None:
+        self.nodes = list(seq)
+        given = set(given)
+        self.given_names = {g.name for g in given}
         self.keys: dict[fx.Node, list[Key | None]] = {}
         self.made_at: dict[Key, int] = {}
         self.size: dict[Key, int] = {}
         self.device: dict[Key, str] = {}
         self.last: dict[Key, int] = {}
         self.maker: dict[Key, fx.Node] = {}
+        for g in sorted(given, key=lambda n: n.name):  # alive before the first node
+            self.keys[g] = self._make(g, -1) if _tensors(g.meta.get("val")) else []
         end = len(self.nodes)
         for pos, n in enumerate(self.nodes):
             if n.op == "output":
-                for a in pytree.tree_leaves(n.args):
-                    if isinstance(a, fx.Node):
-                        for k in self.keys.get(a, ()):
-                            if k is not None:
-                                self.last[k] = end
+                outputs = [*outputs, *(a for a in pytree.tree_leaves(n.args)
+                                       if isinstance(a, fx.Node))]
                 continue
-            self.keys[n] = self._storages(n, pos)
+            if n not in given:
+                self.keys[n] = self._storages(n, pos)
             for a in n.all_input_nodes:
                 for k in self.keys.get(a, ()):
-                    if k is not None and self.last.get(k, -1) < end:
+                    if k is not None:
                         self.last[k] = max(self.last.get(k, -1), pos)
+        self.outputs: set[Key] = set()
+        for o in outputs:
+            for k in self.keys.get(o, ()):
+                if k is not None:
+                    self.last[k] = end
+                    self.outputs.add(k)
 
-    def _storages(self, n: fx.Node, pos: int) -> list[Key | None]:
-        src = _alias_source(n)
-        if src is not None:
-            return list(self.keys.get(src, ()))
-        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-            base = self.keys.get(n.args[0], [])
-            i = n.args[1]
-            if _alias_source(n.args[0]) is not None:  # an item of a view list: the base's
-                return base[:1]
-            return [base[i]] if isinstance(i, int) and 0 <= i < len(base) else []
-        val = n.meta.get("val")
+    def _make(self, n: fx.Node, pos: int) -> list[Key | None]:
         out: list[Key | None] = []
-        for i, t in enumerate(_tensors(val)):
+        for i, t in enumerate(_tensors(n.meta.get("val"))):
             if not isinstance(t, torch.Tensor):
                 out.append(None)
                 continue
@@ -139,8 +141,21 @@ class _Walk:
             out.append(key)
         return out
 
-    def sweep(self, counted: Callable[[Key], bool]) -> tuple[int, int, list[Key], int]:
-        """(peak bytes, position of the peak, storages alive then, bytes alive at the end)."""
+    def _storages(self, n: fx.Node, pos: int) -> list[Key | None]:
+        src = _alias_source(n)
+        if src is not None:
+            return list(self.keys.get(src, ()))
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            base = self.keys.get(n.args[0], [])
+            i = n.args[1]
+            if _alias_source(n.args[0]) is not None:  # an item of a view list: the base's
+                return base[:1]
+            return [base[i]] if isinstance(i, int) and 0 <= i < len(base) else []
+        return self._make(n, pos)
+
+    def sweep(self, counted: Callable[[Key], bool]) -> tuple[int, int, list[Key]]:
+        """(peak bytes, position of the peak (-1: before the first node), storages alive
+        then)."""
         born: dict[int, list[Key]] = {}
         dies: dict[int, list[Key]] = {}
         for k, pos in self.made_at.items():
@@ -150,7 +165,7 @@ class _Walk:
         live: set[Key] = set()
         total = peak = 0
         peak_pos, peak_live = -1, []
-        for pos in range(len(self.nodes)):
+        for pos in range(-1, len(self.nodes)):
             for k in born.get(pos, ()):
                 live.add(k)
                 total += self.size[k]
@@ -160,7 +175,7 @@ class _Walk:
                 if k in live:
                     live.discard(k)
                     total -= self.size[k]
-        return peak, peak_pos, peak_live, total
+        return peak, peak_pos, peak_live
 
 
 def _region(node: fx.Node | None) -> str:
@@ -168,60 +183,55 @@ def _region(node: fx.Node | None) -> str:
     return path[-1] if path else ""
 
 
+def _counters(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.Node | None]
+              ) -> tuple[Callable[[Key], bool], Callable[[Key], bool]]:
+    """What each walk counts (see the module docstring); ``joint_of``: a walked node's
+    joint-graph node (None: added after the cut, such as an RNG state)."""
+    on_device = any(d != "cpu" for d in fw_walk.device.values())
+
+    def fw_counted(k: Key) -> bool:
+        return k[0] not in fw_walk.given_names and (not on_device or fw_walk.device[k] != "cpu")
+
+    shared: dict[str, Key] = {}  # joint storage base -> the first kept value on it
+
+    def bw_counted(k: Key) -> bool:
+        node = bw_walk.maker[k]
+        if on_device and bw_walk.device[k] == "cpu":
+            return False
+        if node.name not in bw_walk.given_names:
+            return k not in bw_walk.outputs  # gradients handed back are autograd's
+        j = joint_of(node)
+        if j is None:
+            return True
+        base = storage_base(j)
+        if base.op == "placeholder":  # an input (or a view of one): not an activation,
+            return node_role(base) is Role.TANGENT  # but a tangent is the backward's own
+        if shared.setdefault(base.name, k) != k:
+            return False  # another kept view of the same storage counted it
+        if base is not j:  # a kept view keeps its base's whole storage
+            bw_walk.size[k] = costs.nbytes(base)
+        return True
+
+    return fw_counted, bw_counted
+
+
 def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
     """The peak of live activation bytes over ``fw`` then ``bw`` (a split of ``joint``,
     whose nodes give names their regions); see the module docstring."""
     by_name = {n.name: n for n in joint.graph.nodes}
-    fw_walk, bw_walk = _Walk(fw.graph), _Walk(bw.graph)
-    on_device = any(d != "cpu" for d in fw_walk.device.values())
-
-    def device_ok(walk: _Walk, k: Key) -> bool:
-        return not on_device or walk.device[k] != "cpu"
-
-    # forward: what its ops make
-    def fw_counted(k: Key) -> bool:
-        return fw_walk.maker[k].op != "placeholder" and device_ok(fw_walk, k)
-
-    fw_peak, fw_pos, fw_live, _ = fw_walk.sweep(fw_counted)
-
-    # backward: saved values (one storage per joint base), tangents, what its ops make
+    fw_walk = _Walk(list(fw.graph.nodes), given=fw.graph.find_nodes(op="placeholder"))
+    bw_walk = _Walk(list(bw.graph.nodes), given=bw.graph.find_nodes(op="placeholder"))
+    fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: by_name.get(n.name))
+    fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
+    bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-    outputs = set()
-    for n in bw.graph.find_nodes(op="output"):
-        for a in pytree.tree_leaves(n.args):
-            if isinstance(a, fx.Node):
-                outputs.update(k for k in bw_walk.keys.get(a, ()) if k is not None)
-    shared: dict[str, Key] = {}  # joint storage base -> the first saved value on it
-
-    def bw_counted(k: Key) -> bool:
-        node = bw_walk.maker[k]
-        if not device_ok(bw_walk, k):
-            return False
-        if node.op != "placeholder":
-            return k not in outputs
-        j = by_name.get(node.name)
-        if j is None:  # added after the cut (an RNG state): an activation
-            return True
-        if j.op == "placeholder":
-            return node_role(j) is Role.TANGENT
-        base = storage_base(j)
-        if base.op == "placeholder":
-            return node_role(base) is Role.TANGENT  # a view of an input: the input's memory
-        first = shared.setdefault(base.name, k)
-        if first != k:
-            return False
-        if base is not j:  # a saved view keeps its base's whole storage
-            bw_walk.size[k] = costs.nbytes(base)
-        return True
-
-    bw_peak, bw_pos, bw_live, _ = bw_walk.sweep(bw_counted)
 
     def label(walk: _Walk, k: Key, phase: str) -> tuple[str, str]:
         node = walk.maker[k]
         j = by_name.get(node.name)
         if phase == "forward":
             return "forward", _region(j)
-        if node.op == "placeholder":
+        if node.name in walk.given_names:
             if j is not None and node_role(j) is Role.TANGENT:
                 return "backward", ""
             return "kept", _region(storage_base(j) if j is not None else None)
@@ -243,6 +253,49 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     after = ""
     if 0 <= pos < len(walk.nodes):
         node = walk.nodes[pos]
-        after = f"{node.name} ({costs.op_label(node)})" if node.op == "call_function" else node.name
+        after = f"{node.name} ({costs.op_label(node)})" if node.op == "call_function" \
+            else node.name
     return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak)
 
+
+def cut_peak(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node]) -> int:
+    """The peak (forward or backward, the larger) of the split a cut would give, without
+    extracting it: ``cls`` the joint ``graph``'s :class:`~.network.Classification`, ``kept`` the
+    values the cut keeps. The forward runs what the forward outputs and the kept values need,
+    in graph order; the backward runs its ops in graph order, each preceded by the
+    recomputed values it needs and has not yet (:func:`.order.reorder_like_autograd`'s
+    order)."""
+    kept = set(kept)
+    order = {n: i for i, n in enumerate(cls.nodes)}
+    fw_outputs = [o for o in cls.fwd_outputs if isinstance(o, fx.Node)]
+    need, stack = set(), [*fw_outputs, *kept]
+    while stack:  # what the forward computes
+        n = stack.pop()
+        if n not in need and n in order:
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+    fw_seq = sorted(need, key=order.__getitem__)
+    fw_walk = _Walk([n for n in fw_seq if n.op != "placeholder"],
+                    given=[n for n in fw_seq if n.op == "placeholder"],
+                    outputs=[*fw_outputs, *kept])
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    in_bw = sorted(cls.backward, key=position.__getitem__)
+    backward = [n for n in in_bw if n.op != "placeholder"]
+    tangents = [n for n in in_bw if n.op == "placeholder"]
+    placed: set[fx.Node] = set(kept)
+    bw_seq: list[fx.Node] = []
+    for b in backward:
+        todo, stack = [], [a for a in b.all_input_nodes if a in order]
+        while stack:  # the recomputed values b needs
+            n = stack.pop()
+            if n in placed or n.op == "placeholder":
+                continue
+            placed.add(n)
+            todo.append(n)
+            stack.extend(a for a in n.all_input_nodes if a in order)
+        bw_seq.extend(sorted(todo, key=order.__getitem__))
+        bw_seq.append(b)
+    bw_walk = _Walk(bw_seq, given=[*kept, *tangents],
+                    outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
+    fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
+    return max(fw_walk.sweep(fw_counted)[0], bw_walk.sweep(bw_counted)[0])

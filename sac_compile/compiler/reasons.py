@@ -29,6 +29,7 @@ class ReasonKind(enum.Enum):
     EFFECTFUL = "effectful"                  # a collective, an op with side effects
     RANDOM = "random"                        # a random op without RNG functionalisation
     UPSTREAM_BAN = "upstream ban"            # untagged: torch's partitioner would not recompute it
+    REGION_BOUNDARY = "region boundary"      # read by another region's recompute (.boundaries)
 
 
 class Reason(str):

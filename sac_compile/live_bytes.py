@@ -3,7 +3,10 @@ that sees every storage an ATen op creates and a finalizer that sees it freed.
 
 ``with LiveBytes() as meter: loss = f(x); meter.mark("backward"); loss.backward()``, then
 ``meter.peak("backward")`` is the most bytes alive at once during the backward (what the
-forward kept included), ``meter.at("backward")`` the bytes alive when it began.
+forward kept included), ``meter.at("backward")`` the bytes alive when it began, and
+``meter.at_peak("backward")`` what was alive at that peak, by the phase that made it
+(a storage made in an earlier phase is ``kept``; :meth:`LiveBytes.relabel_last` names the
+storages of the latest op otherwise, e.g. ``recomputed``).
 
 What counts: a storage is *new* when an op returns a tensor whose storage is none of the
 op's inputs' storages (a view or an in-place op creates nothing); it counts from that op
@@ -15,7 +18,8 @@ back to autograd, not activations): their bytes leave the whole history.
 
 The mode ignores compile internals (Dynamo compiles with it active); what a compiled
 function runs is seen only where it dispatches ATen ops (``aot_eager``), not Inductor's
-generated kernels, which allocate directly. Nothing here imports the rest of sac_compile.
+generated kernels, which allocate directly. Used by ``explain(mode="eager")`` and the
+report's harness (``_bench``); nothing here imports the rest of sac_compile.
 """
 from __future__ import annotations
 
@@ -43,8 +47,11 @@ class LiveBytes(TorchDispatchMode):
         self._serials = itertools.count()
         self._live: dict[int, int] = {}            # id(storage object) -> serial
         self._sizes: dict[int, int] = {}           # serial -> bytes
+        self._kinds: dict[int, str] = {}           # serial -> the phase (or kind) that made it
+        self._phase = "forward"
+        self._latest: list[int] = []               # serials the latest op made
         self._events: list[tuple[int, int]] = []   # (serial, +1 created / -1 freed)
-        self._marks: dict[str, int] = {}           # phase -> index into _events
+        self._marks: dict[str, int] = {"forward": 0}  # phase -> index into _events
         self._excluded: set[int] = set()
 
     # -- recording ---------------------------------------------------------------------
@@ -52,6 +59,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
+        self._latest = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _has_storage(t):
                 st = t.untyped_storage()
@@ -64,6 +72,8 @@ class LiveBytes(TorchDispatchMode):
         key = id(st)
         self._live[key] = serial
         self._sizes[serial] = st.nbytes()
+        self._kinds[serial] = self._phase
+        self._latest.append(serial)
         self._events.append((serial, 1))
         weakref.finalize(st, self._freed, key, serial)
 
@@ -75,6 +85,12 @@ class LiveBytes(TorchDispatchMode):
     def mark(self, phase: str) -> None:
         """Start ``phase`` now (it lasts until the next mark)."""
         self._marks[phase] = len(self._events)
+        self._phase = phase
+
+    def relabel_last(self, kind: str) -> None:
+        """The storages the latest op made are ``kind`` (a replayed op: ``recomputed``)."""
+        for serial in self._latest:
+            self._kinds[serial] = kind
 
     def exclude(self, tensors: Iterable[Any]) -> None:
         """Never count the storages of these tensors (still alive now), past or future."""
@@ -105,6 +121,24 @@ class LiveBytes(TorchDispatchMode):
         """Most bytes alive at once during ``phase`` (None: the whole run)."""
         lo, hi = self._span(phase)
         return max(self._curve()[lo:hi + 1])
+
+    def at_peak(self, phase: str | None = None) -> dict[str, int]:
+        """Bytes alive at ``phase``'s peak by kind: the phase that made each storage (made
+        in an earlier phase: ``kept``), or what :meth:`relabel_last` named it."""
+        lo, hi = self._span(phase)
+        curve = self._curve()
+        at = max(range(lo, hi + 1), key=lambda i: (curve[i], -i))
+        live: set[int] = set()
+        for serial, sign in self._events[:at]:
+            if serial not in self._excluded:
+                (live.add if sign > 0 else live.discard)(serial)
+        out: dict[str, int] = {}
+        start = self._marks.get(phase, 0) if phase is not None else 0
+        earlier = {serial for serial, sign in self._events[:start] if sign > 0}
+        for serial in sorted(live):
+            kind = "kept" if phase is not None and serial in earlier else self._kinds[serial]
+            out[kind] = out.get(kind, 0) + self._sizes[serial]
+        return out
 
     def at(self, phase: str) -> int:
         """Bytes alive when ``phase`` began."""
