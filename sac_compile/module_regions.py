@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from .policy import CheckpointError, PolicyLike, RegionFrame, normalize_policy
+from .region_groups import frame_in_group, name_module
 from .region_run import run_region
 
 __all__ = ["RegionConfig", "wrap_module", "module_class"]
@@ -93,7 +94,7 @@ class RegionConfig:
 
 
 def _make_config(policy: PolicyLike, name: str, allow: bool) -> RegionConfig:
-    return RegionConfig(policy, RegionFrame(name, normalize_policy(policy)), allow)
+    return RegionConfig(policy, frame_in_group(name, normalize_policy(policy), allow), allow)
 
 
 def _restore_config(spec: Any, name: str, allow: bool) -> RegionConfig:
@@ -223,6 +224,7 @@ def _rewrap_module(func: Callable[..., Any], args: tuple) -> Any:
 
 
 def wrap_module(module: nn.Module, config: RegionConfig) -> nn.Module:
+    name_module(module, config.frame.name)
     if isinstance(module, _RegionModule):
         # Wrapped again: the new region encloses the existing ones (outermost first).
         object.__setattr__(module, "_sac_regions", (config, *module._sac_regions))

@@ -1,38 +1,62 @@
-"""Preset policies: tiny named predicates that compose.
+"""Preset policies: small values that compose.
 
-Each returns a decision for the ops it knows and ``None`` ("no opinion") for the rest,
-so ``compose(a, b)`` asks ``b`` only where ``a`` has nothing to say, and an outer
-region's opinion stands where an inner preset is silent.
+Each preset is a frozen dataclass (as JAX's ``SaveOnlyTheseNames``): it hashes, compares and
+pickles by what it holds (ops by qualified name, labels, the policies it combines), and that
+value is what a compiled region's graph and the compile caches are keyed by. Each returns a
+decision for the ops it knows and ``None`` ("no opinion") for the rest, so
+``compose(a, b)`` asks ``b`` only where ``a`` has nothing to say, and an outer region's
+opinion stands where an inner preset is silent.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from .policy import (PRESETS, MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD,
-                     PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, NamedPolicy, PolicyLike,
-                     coerce_opinion, expand_ops, normalize_policy)
+                     PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, OpSetPolicy, PolicyFn,
+                     PolicyLike, PolicyValue, coerce_opinion, expand_ops, normalize_policy,
+                     op_names, region_of)
 
 aten = torch.ops.aten
 
 __all__ = ["recompute_all", "save_all", "save_ops", "save_matmuls", "save_only_these_names",
-           "offload_ops", "compose", "relaxed", "MATMUL_OPS", "CUSTOM_MATMUL_OPS", "PRESETS"]
+           "offload_ops", "compose", "relaxed", "MATMUL_OPS", "CUSTOM_MATMUL_OPS", "PRESETS",
+           "RecomputeAll", "SaveAll", "SaveOps", "SaveMatmuls", "SaveOnlyTheseNames",
+           "OffloadOps", "Compose", "Relaxed"]
 
 
-def _recompute_all(ctx, op, *args, **kwargs):
-    return PREFER_RECOMPUTE
+@dataclasses.dataclass(frozen=True)
+class RecomputeAll(PolicyValue):
+    """Recompute everything (PREFER, so an outer MUST still holds): plain activation
+    checkpointing."""
+
+    constant = PREFER_RECOMPUTE
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return "recompute_all"
 
 
-def _save_all(ctx, op, *args, **kwargs):
-    return PREFER_SAVE
+@dataclasses.dataclass(frozen=True)
+class SaveAll(PolicyValue):
+    """Save everything (PREFER: the compiler may still recompute what is cheaper to
+    recompute)."""
+
+    constant = PREFER_SAVE
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return PREFER_SAVE
+
+    def __repr__(self) -> str:
+        return "save_all"
 
 
-recompute_all = NamedPolicy(_recompute_all, "recompute_all", PREFER_RECOMPUTE)
-"""Recompute everything (PREFER, so an outer MUST still holds): plain activation checkpointing."""
-
-save_all = NamedPolicy(_save_all, "save_all", PREFER_SAVE)
-"""Save everything (PREFER: the compiler may still recompute what is cheaper to recompute)."""
+recompute_all = RecomputeAll()
+save_all = SaveAll()
 
 
 def _optional(*names: str) -> list[Any]:
@@ -59,14 +83,22 @@ MATMUL_OPS: frozenset[Any] = expand_ops([
 ])
 
 
-def save_ops(*ops: Any) -> NamedPolicy:
+@dataclasses.dataclass(frozen=True)
+class SaveOps(OpSetPolicy):
+    """MUST_SAVE the outputs of ``ops`` (qualified names, e.g. ``aten.mm.default``)."""
+
+    ops: tuple[str, ...]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return MUST_SAVE if op in self.op_set else None
+
+    def __repr__(self) -> str:
+        return f"save_ops({', '.join(self.ops)})"
+
+
+def save_ops(*ops: Any) -> SaveOps:
     """MUST_SAVE the outputs of ``ops`` (OpOverloads, or packets for all overloads)."""
-    op_set = expand_ops(ops, what="save_ops")
-
-    def saves_these_ops(ctx, op, *args, **kwargs):
-        return MUST_SAVE if op in op_set else None
-
-    return NamedPolicy(saves_these_ops, f"save_ops({', '.join(sorted(map(str, op_set)))})")
+    return SaveOps(op_names(ops, what="save_ops"))
 
 
 #: Matmuls that libraries register as custom ops, by qualified name (so the library need not
@@ -79,64 +111,114 @@ CUSTOM_MATMUL_OPS: frozenset[str] = frozenset({"transformers::grouped_mm_fallbac
 _IS_MATMUL: dict[Any, bool] = dict.fromkeys(MATMUL_OPS, True)  # filled per op on first ask
 
 
-def _saves_matmuls(ctx, op, *args, **kwargs):
-    is_matmul = _IS_MATMUL.get(op)
-    if is_matmul is None:
-        is_matmul = _IS_MATMUL[op] = isinstance(op, torch._ops.OpOverload) and \
-            op.name() in CUSTOM_MATMUL_OPS
-    return MUST_SAVE if is_matmul else None
+@dataclasses.dataclass(frozen=True)
+class SaveMatmuls(PolicyValue):
+    """MUST_SAVE matmuls (dense, batched, grouped, scaled, quantized: :data:`MATMUL_OPS`, and
+    the custom ops of :data:`CUSTOM_MATMUL_OPS`) and attention: the expensive ops;
+    everything else is recomputed."""
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        is_matmul = _IS_MATMUL.get(op)
+        if is_matmul is None:
+            is_matmul = _IS_MATMUL[op] = isinstance(op, torch._ops.OpOverload) and \
+                op.name() in CUSTOM_MATMUL_OPS
+        return MUST_SAVE if is_matmul else None
+
+    def __repr__(self) -> str:
+        return "save_matmuls"
 
 
-save_matmuls = NamedPolicy(_saves_matmuls, "save_matmuls")
-"""MUST_SAVE matmuls (dense, batched, grouped, scaled, quantized: :data:`MATMUL_OPS`, and
-the custom ops of :data:`CUSTOM_MATMUL_OPS`) and attention: the expensive ops; everything
-else is recomputed."""
+save_matmuls = SaveMatmuls()
 
 
-def save_only_these_names(*labels: str) -> NamedPolicy:
+@dataclasses.dataclass(frozen=True)
+class SaveOnlyTheseNames(PolicyValue):
+    """MUST_SAVE outputs labelled with :func:`sac_compile.name` as one of ``labels``."""
+
+    labels: frozenset[str]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return MUST_SAVE if self.labels & getattr(ctx, "names", frozenset()) else None
+
+    def __repr__(self) -> str:  # sorted: set order differs between processes
+        return f"save_only_these_names({', '.join(map(repr, sorted(self.labels)))})"
+
+
+def save_only_these_names(*labels: str) -> SaveOnlyTheseNames:
     """MUST_SAVE outputs labelled with :func:`sac_compile.name` as one of ``labels``."""
     if len(labels) == 1 and isinstance(labels[0], (list, tuple, set, frozenset)):
         labels = tuple(labels[0])  # save_only_these_names(["a", "b"]), as JAX's takes
     if not all(isinstance(label, str) for label in labels):
         raise TypeError(f"save_only_these_names takes label strings, e.g. "
                         f"save_only_these_names('attn_out', 'mlp_in'), got {labels!r}")
-    wanted = frozenset(labels)
-
-    def saves_named(ctx, op, *args, **kwargs):
-        return MUST_SAVE if wanted & getattr(ctx, "names", frozenset()) else None
-
-    return NamedPolicy(saves_named, f"save_only_these_names({', '.join(map(repr, labels))})")
+    return SaveOnlyTheseNames(frozenset(labels))
 
 
-def offload_ops(*ops: Any) -> NamedPolicy:
+@dataclasses.dataclass(frozen=True)
+class OffloadOps(OpSetPolicy):
     """MUST_CPU_OFFLOAD the outputs of ``ops``: kept on the CPU until backward needs them."""
-    op_set = expand_ops(ops, what="offload_ops")
 
-    def offloads_these_ops(ctx, op, *args, **kwargs):
-        return MUST_CPU_OFFLOAD if op in op_set else None
+    ops: tuple[str, ...]
 
-    return NamedPolicy(offloads_these_ops, f"offload_ops({', '.join(sorted(map(str, op_set)))})")
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return MUST_CPU_OFFLOAD if op in self.op_set else None
+
+    def __repr__(self) -> str:
+        return f"offload_ops({', '.join(self.ops)})"
 
 
-def compose(*policies: PolicyLike) -> NamedPolicy:
-    """The first policy with an opinion (not ``None``) decides."""
-    fns = [normalize_policy(p) for p in policies]
+def offload_ops(*ops: Any) -> OffloadOps:
+    """MUST_CPU_OFFLOAD the outputs of ``ops``: kept on the CPU until backward needs them."""
+    return OffloadOps(op_names(ops, what="offload_ops"))
 
-    def first_opinion(ctx, op, *args, **kwargs):
-        for fn in fns:
-            opinion = coerce_opinion(fn(ctx, op, *args, **kwargs), op, getattr(ctx, "region", ""))
+
+@dataclasses.dataclass(frozen=True)
+class Compose(PolicyValue):
+    """The first of ``policies`` (normalised) with an opinion (not ``None``) decides."""
+
+    policies: tuple[PolicyFn, ...]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        for fn in self.policies:
+            opinion = coerce_opinion(fn(ctx, op, *args, **kwargs), op, region_of(ctx))
             if opinion is not None:
                 return opinion
         return None
 
-    return NamedPolicy(first_opinion, f"compose({', '.join(map(repr, fns))})")
+    def __repr__(self) -> str:
+        return f"compose({', '.join(map(repr, self.policies))})"
+
+
+def compose(*policies: PolicyLike) -> Compose:
+    """The first policy with an opinion (not ``None``) decides."""
+    return Compose(tuple(normalize_policy(p) for p in policies))
 
 
 _RELAXED = {MUST_SAVE: PREFER_SAVE, MUST_RECOMPUTE: PREFER_RECOMPUTE,
             MUST_CPU_OFFLOAD: PREFER_CPU_OFFLOAD}
 
 
-def relaxed(policy: PolicyLike) -> NamedPolicy:
+@dataclasses.dataclass(frozen=True)
+class Relaxed(PolicyValue):
+    """``policy`` (normalised) with its MUSTs turned into PREFERs; see :func:`relaxed`."""
+
+    policy: PolicyFn
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        opinion = coerce_opinion(self.policy(ctx, op, *args, **kwargs), op, region_of(ctx))
+        return _RELAXED.get(opinion, opinion) if isinstance(opinion, CheckpointPolicy) \
+            else opinion
+
+    @property
+    def constant(self) -> Any:  # type: ignore[override]
+        inner = getattr(self.policy, "constant", None)
+        return _RELAXED.get(inner, inner) if inner is not None else None
+
+    def __repr__(self) -> str:
+        return f"relaxed({self.policy!r})"
+
+
+def relaxed(policy: PolicyLike) -> Relaxed:
     """``policy`` with its MUSTs turned into PREFERs: MUST_SAVE -> PREFER_SAVE,
     MUST_RECOMPUTE -> PREFER_RECOMPUTE, MUST_CPU_OFFLOAD -> PREFER_CPU_OFFLOAD (a ``True``
     counts as MUST_SAVE, as torch reads it). Every other answer (PREFERs, ``None``,
@@ -148,16 +230,7 @@ def relaxed(policy: PolicyLike) -> NamedPolicy:
     unless the budget says otherwise. Eager mode honours PREFER_SAVE as a save, so there a
     relaxed policy saves the same values.
     """
-    fn = normalize_policy(policy)
-
-    def relaxed_policy(ctx, op, *args, **kwargs):
-        opinion = coerce_opinion(fn(ctx, op, *args, **kwargs), op, getattr(ctx, "region", ""))
-        return _RELAXED.get(opinion, opinion) if isinstance(opinion, CheckpointPolicy) \
-            else opinion
-
-    constant = getattr(fn, "constant", None)
-    return NamedPolicy(relaxed_policy, f"relaxed({fn!r})",
-                       _RELAXED.get(constant, constant) if constant is not None else None)
+    return Relaxed(normalize_policy(policy))
 
 
 PRESETS.update({  # the core's table of names (see policy.PRESETS)

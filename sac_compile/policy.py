@@ -56,7 +56,11 @@ PolicyLike = Union[PolicyFn, str, Iterable[Any]]
 
 class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
     """What a policy sees besides the op: torch's ``is_recompute``/``op_output``, plus
-    the region it is asked for, the path of active regions, and the labels of the output."""
+    the region it is asked for, the path of active regions, and the labels of the output.
+
+    Reading ``region`` or ``region_path`` is counted (:func:`region_reads`): a compiled
+    region shares one graph with every identical region whose policy decides without the
+    name, so a policy seen to read it gets a graph per name."""
 
     def __init__(self, *, op_output: Any = None, region: str = "",
                  region_path: tuple[str, ...] = (), names: frozenset[str] = frozenset()) -> None:
@@ -64,17 +68,53 @@ class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
         # (torch 2.11's SelectiveCheckpointContext takes no op_output: set it here.)
         super().__init__(is_recompute=False)
         self.op_output = op_output
-        self.region = region
-        self.region_path = region_path
+        self._region = region
+        self._region_path = region_path
         self.names = names
+
+    @property
+    def region(self) -> str:
+        _REGION_READS[0] += 1
+        return self._region
+
+    @region.setter
+    def region(self, value: str) -> None:
+        self._region = value
+
+    @property
+    def region_path(self) -> tuple[str, ...]:
+        _REGION_READS[0] += 1
+        return self._region_path
+
+    @region_path.setter
+    def region_path(self, value: tuple[str, ...]) -> None:
+        self._region_path = value
+
+
+_REGION_READS = [0]  # how many times a policy read ctx.region / ctx.region_path
+
+
+def region_reads() -> int:
+    """A counter of policy reads of ``ctx.region``/``ctx.region_path`` in this process:
+    compare it before and after asking a policy to see whether the answer used the name."""
+    return _REGION_READS[0]
+
+
+def region_of(ctx: Any) -> str:
+    """The region a context is asked for, read without counting (for our own messages)."""
+    region = getattr(ctx, "_region", None)
+    return region if region is not None else getattr(ctx, "region", "")
 
 
 @dataclasses.dataclass(frozen=True)
 class RegionFrame:
-    """One active region: its name and its normalised policy function."""
+    """One active region: its name and its normalised policy function. ``slot`` is what a
+    compiled region is keyed by (:mod:`sac_compile.region_groups`): Dynamo guards its
+    group's token, never the name, so identical blocks share one graph."""
 
     name: str
     policy: PolicyFn
+    slot: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,32 +200,82 @@ def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
     return frozenset(out)
 
 
-class NamedPolicy:
-    """A policy function with a readable name (shown in errors, reports and repr)."""
+class PolicyValue:
+    """Base of the library's policies (the presets of :mod:`.policies`, the op-list form):
+    frozen dataclasses, so a policy is a value - it hashes, compares and pickles by what it
+    holds, as JAX's ``SaveOnlyTheseNames`` does. That value is what a compiled region's
+    graph and the compile caches are keyed by (:mod:`.policy_identity`).
 
-    __slots__ = ("fn", "name", "constant", "__weakref__")
+    ``constant``: the same opinion for every op, or None (lets the runtime skip asking)."""
 
-    def __init__(self, fn: PolicyFn, name: str, constant: Opinion | None = None) -> None:
-        self.fn = fn
-        self.name = name
-        # The same opinion for every op: lets the runtime skip asking (a hot path).
-        self.constant = constant
+    constant: Opinion | None = None
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(ctx, op, *args, **kwargs)
+        raise NotImplementedError
+
+
+def op_qualname(op: Any) -> str:
+    """An op's name that :func:`resolve_op` turns back into the op in any process:
+    ``aten.mm.default``; a higher-order op is ``higher_order.<name>``."""
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return f"higher_order.{op.name()}"
+    return str(op)
+
+
+_RESOLVED: dict[str, Any] = {}
+
+
+def resolve_op(qualname: str) -> Any:
+    """The op :func:`op_qualname` named."""
+    op = _RESOLVED.get(qualname)
+    if op is None:
+        namespace, *rest = qualname.split(".")
+        op = getattr(torch.ops, namespace)
+        for part in rest:
+            op = getattr(op, part)
+        _RESOLVED[qualname] = op
+    return op
+
+
+def op_names(ops: Iterable[Any], *, what: str) -> tuple[str, ...]:
+    """The sorted qualified names of ``ops`` (packets expanded to their overloads): how a
+    policy value holds ops, so that it pickles and compares by name."""
+    return tuple(sorted(op_qualname(op) for op in expand_ops(ops, what=what)))
+
+
+class OpSetPolicy(PolicyValue):
+    """A policy value that holds ops by name (field ``ops``); ``op_set`` resolves them once
+    per object (not pickled: ops are found again by name on load)."""
+
+    ops: tuple[str, ...]
+
+    @property
+    def op_set(self) -> frozenset[Any]:
+        found = self.__dict__.get("_op_set")
+        if found is None:
+            found = frozenset(resolve_op(name) for name in self.ops)
+            object.__setattr__(self, "_op_set", found)
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_op_set"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveListedOps(OpSetPolicy):
+    """The list form of a policy (``sac_region([aten.mm, ...])``): MUST_SAVE the listed
+    ops, PREFER_RECOMPUTE everything else (what torch's list form means)."""
+
+    ops: tuple[str, ...]
+
+    def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return MUST_SAVE if op in self.op_set else PREFER_RECOMPUTE
 
     def __repr__(self) -> str:
-        return self.name
-
-
-def _op_list_policy(ops: Iterable[Any]) -> NamedPolicy:
-    op_set = expand_ops(ops, what="policy list")
-
-    def saves_listed_ops(ctx, op, *args, **kwargs):
-        return MUST_SAVE if op in op_set else PREFER_RECOMPUTE
-
-    names = ", ".join(sorted(op_name(o) for o in op_set))
-    return NamedPolicy(saves_listed_ops, f"[{names}]")
+        return f"[{', '.join(self.ops)}]"
 
 
 #: Policies a region may name by string (``sac_region("save_matmuls")``). The presets live
@@ -206,7 +296,7 @@ def normalize_policy(policy: PolicyLike) -> PolicyFn:
                             f"{sorted(PRESETS)} or a policy function")
         return preset
     if isinstance(policy, (list, tuple, set, frozenset)):
-        return _op_list_policy(policy)
+        return SaveListedOps(op_names(policy, what="policy list"))
     if isinstance(policy, (CheckpointPolicy, bool, SaveWithHooks)) or policy is None:
         raise TypeError(
             f"policy {policy!r} is a decision, not a policy; pass a function returning it, "
@@ -415,7 +505,7 @@ def warn_inert_policies(decided: Iterable[Any]) -> None:
         if node.frames is not last:
             last = node.frames
             fresh = [f for f in last
-                     if not isinstance(f.policy, NamedPolicy) and _unchecked(f.policy)]
+                     if not isinstance(f.policy, PolicyValue) and _unchecked(f.policy)]
         for frame in fresh:
             entry = counts.setdefault(id(frame.policy), [frame, 0, set(), False])
             entry[1] += 1

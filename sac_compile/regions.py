@@ -20,6 +20,7 @@ from torch import nn
 from . import runtime
 from .module_regions import RegionConfig, module_class, wrap_module
 from .per_call import PerCall, checkpoint_per_call
+from .region_groups import frame_in_group
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
                      SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
@@ -123,7 +124,10 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
         self._local = threading.local()  # this thread's stack of entered contexts
 
     def _frame(self, target: Any) -> RegionFrame:
-        return RegionFrame(self.name or _region_name(target), self.policy)
+        # Module regions share a graph across names (identical blocks); see region_groups.
+        return frame_in_group(self.name or _region_name(target), self.policy,
+                              self.allow_cache_entry_mutation,
+                              by_name=not isinstance(target, nn.Module))
 
     def __call__(self, target: T) -> T:
         _check_target(target)

@@ -15,6 +15,7 @@ from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCach
                                                            _collect_context_fn_hashes)
 
 from sac_compile import CheckpointPolicy, checkpoint, policies, sac_region
+from sac_compile import CheckpointPolicy as P
 from sac_compile.compiler import make_backend
 from sac_compile.compiler.cache_keys import policy_key
 
@@ -23,6 +24,18 @@ aten = torch.ops.aten
 
 def _policy_saving_mm(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else None
+
+
+def _policy_reading_the_name(ctx, op, *args, **kwargs):
+    if ctx.region.endswith("0") and op is aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return None
+
+
+def _policy_reading_the_environment(ctx, op, *args, **kwargs):
+    if os.environ.get("SAC_TEST_SAVE_MM") and op is aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return None
 
 
 def _hashes_torch_reads(policy, name="Block", use_checkpoint=False, body=None):
@@ -63,6 +76,8 @@ def test_region_hash_is_stable_and_follows_the_policy():
     assert isinstance(first, list) and len(first) == 1 and isinstance(first[0], str)
     assert _hashes_torch_reads("save_matmuls") == first            # warm: same key
     assert _hashes_torch_reads("recompute_all") != first           # changed policy: miss
+    # A decorated function's region is keyed by its name (module regions share across
+    # names: tests/test_region_groups.py)
     assert _hashes_torch_reads("save_matmuls", name="Other") != first
     ops = _hashes_torch_reads([aten.mm.default])
     assert ops != first and _hashes_torch_reads([aten.mm.default]) == ops
@@ -107,9 +122,11 @@ def test_reports_asked_for_bypass_the_cache():
     assert len(seen) == 1
 
 
-def test_lambda_policy_bypasses_the_cache():
-    assert isinstance(_hashes_torch_reads(lambda ctx, op, *a, **k: None),
+def test_a_policy_reading_state_the_rule_cannot_name_bypasses_the_cache():
+    assert isinstance(_hashes_torch_reads(_policy_reading_the_environment),
                       BypassAOTAutogradCache)
+    keyed = _hashes_torch_reads(lambda ctx, op, *a, **k: None)  # code and nothing else
+    assert isinstance(keyed, list) and len(keyed) == 1
 
 
 def test_policy_key_forms():
@@ -121,12 +138,16 @@ def test_policy_key_forms():
         policy_key(policies.save_ops(aten.bmm.default))
     assert policy_key(_policy_saving_mm) is not None
     assert "_policy_saving_mm" in policy_key(_policy_saving_mm)
-    assert policy_key(lambda ctx, op, *a, **k: None) is None
-    assert policy_key(policies.compose(lambda ctx, op, *a, **k: None)) is None
+    # Code and the values it reads, transitively: lambdas and closures have keys.
+    lambda_key = policy_key(lambda ctx, op, *a, **k: None)
+    assert lambda_key is not None
+    assert policy_key(policies.compose(lambda ctx, op, *a, **k: None)) is not None
+    assert policy_key(lambda ctx, op, *a, **k: P.MUST_SAVE) != lambda_key
 
     def closure(ctx, op, *a, **k):
         return _policy_saving_mm(ctx, op)
-    assert policy_key(closure) is None
+    assert _policy_saving_mm.__qualname__ in policy_key(closure)   # the helper it calls
+    assert policy_key(_policy_reading_the_environment) is None     # os.environ: no key
 
     class Stateful:
         def __call__(self, ctx, op, *a, **k):

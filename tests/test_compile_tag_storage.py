@@ -149,17 +149,36 @@ def test_encoded_hooks_round_trip_and_are_named_stably():
     back = decode_opinion(text)
     assert back.pack is to_bf16 and back.unpack is from_bf16
     assert decode_opinion("MUST_SAVE") is CP.MUST_SAVE
-    unstable = encode_opinion(SaveWithHooks(lambda t: t.half(), lambda p: p.float()))
+    assert encode_opinion(SaveWithHooks(lambda t: t.half(), lambda p: p.float())) \
+        .startswith("SaveWithHooks:")                  # code and nothing else: stable
+    unstable = encode_opinion(_STATEFUL_HOOKS)
     assert unstable.startswith("SaveWithHooks@")
     with pytest.raises(Exception, match="not registered in this process"):
         decode_opinion("SaveWithHooks:0000")
 
 
+class _Caster:
+    """Hooks whose behaviour lives in an object's attribute: nothing can name it stably."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def pack(self, t):
+        return t.to(self.dtype)
+
+    def unpack(self, packed):
+        return packed.float()
+
+
+_STATEFUL_HOOKS = SaveWithHooks(_Caster(torch.bfloat16).pack, _Caster(torch.bfloat16).unpack)
+
+
 def test_hooks_key_forms():
     assert hooks_key(BF16) == f"SaveWithHooks({policy_key(to_bf16)}; {policy_key(from_bf16)})"
     assert hooks_key(SaveWithHooks(to_f16, from_f16)) != hooks_key(BF16)
-    assert hooks_key(SaveWithHooks(lambda t: t, from_bf16)) is None
-    assert hooks_key(SaveWithHooks(torch.clone, torch.clone)) is None
+    assert hooks_key(SaveWithHooks(lambda t: t, from_bf16)) is not None   # code: keyed
+    assert hooks_key(SaveWithHooks(torch.clone, torch.clone)) is not None
+    assert hooks_key(_STATEFUL_HOOKS) is None
 
 
 def _policy_returning_global_hooks(ctx, op, *args, **kwargs):
@@ -209,7 +228,7 @@ def test_the_cache_key_covers_tagged_hooks():
     assert (again, texts_again) == (hashes, texts)               # warm: the same key
     other, other_texts = _cache_view(SaveWithHooks(to_f16, from_f16))
     assert other_texts != texts                                  # other hooks: another graph
-    bypass, _ = _cache_view(SaveWithHooks(lambda t: t.half(), lambda p: p.float()))
+    bypass, _ = _cache_view(_STATEFUL_HOOKS)
     assert isinstance(bypass, BypassAOTAutogradCache)            # no stable identity
 
 

@@ -24,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ..report import PartitionReport
 from .cache_keys import annotate_regions
+from .regions_compiled import name_regions
 from .normalize import remove_markers
 from .partition import SACPartitioner
 from .tagging import sac_partitioning
@@ -90,8 +91,10 @@ def _closing_checkpoints_on_error() -> Any:
 
 
 def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:
-    """Key our regions for AOTAutograd's cache, unless reports are asked for (a hit would
-    skip the partitioner and its ``on_partition`` call) or the partitioner is not ours."""
+    """Name each region of Dynamo's graph (regions of one group share a token); key our
+    regions for AOTAutograd's cache, unless reports are asked for (a hit would skip the
+    partitioner and its ``on_partition`` call) or the partitioner is not ours."""
+    name_regions(gm)
     if isinstance(partitioner, SACPartitioner) and partitioner.on_partition is None:
         annotate_regions(gm)
 

@@ -8,7 +8,7 @@ graph, hence of AOTAutograd's cache key.
 A ``SaveWithHooks`` opinion cannot be a graph argument: it is registered here, for the
 process, and the string names it (``SaveWithHooks:<digest>`` when its ``pack`` and
 ``unpack`` have a stable identity - module-level functions, or a ``cache_hash`` attribute,
-by the rules of :func:`.cache_keys.hooks_key` - else ``SaveWithHooks@<n>``, unique in the
+by the rules of :func:`sac_compile.policy_identity.hooks_key` - else ``SaveWithHooks@<n>``, unique in the
 process). :func:`decode_opinion` gives the registered object back, so the decision of the
 tagged value carries the hooks exactly as a policy's ``SaveWithHooks`` does, and the
 storage pass traces them into the graphs. A region whose graph holds a tag with hooks of
@@ -93,7 +93,7 @@ def register_hooks(hooks: SaveWithHooks) -> str:
 
 def stable_hooks_text(hooks: SaveWithHooks) -> str | None:
     """``SaveWithHooks:<digest>`` of the hooks' identity in every process, or None."""
-    from .cache_keys import hooks_key
+    from ..policy_identity import hooks_key
     key = hooks_key(hooks)
     if key is None:
         return None

@@ -34,6 +34,7 @@ import torch
 from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
 from .markers import encode_opinion, name_op, tag_op
+from ..region_groups import group_of_token, name_in_graph
 from .tagging import region_contexts, take_eager_entry
 
 __all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
@@ -45,18 +46,50 @@ log = logging.getLogger("sac_compile")
 
 def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: dict,
                allow_cache_entry_mutation: bool = False) -> Any:
-    # name and policy travel separately: dynamo guards them as constants (ID_MATCH for the
-    # policy), which a RegionFrame built inside traced code could not be.
-    context_fn = functools.partial(region_contexts, frame.name, frame.policy,
-                                   allow_cache_entry_mutation)
-    body = functools.partial(_region_body, frame.name, frame.policy, allow_cache_entry_mutation,
-                             fn)
+    # Only the region's group token travels into the partials: Dynamo guards it by value.
+    # The name and the policy object would be guarded too (the name: one graph per layer;
+    # a closure policy: by its code alone, so closures over different values would share a
+    # graph). The group (sac_compile.region_groups) holds the policy and the names.
+    slot = frame.slot
+    if slot is None:  # a frame made outside sac_region/apply_regions
+        from ..region_groups import frame_in_group
+        slot = frame_in_group(frame.name, frame.policy, allow_cache_entry_mutation).slot
+    token = slot.token
+    context_fn = functools.partial(region_contexts, token)
+    body = functools.partial(_region_body, token, fn)
     try:
         return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
                                                  context_fn=context_fn, **kwargs)
     except BaseException as e:  # reached when the call runs as Python (a graph break)
         close_checkpoints_left_open(e)
         raise
+
+
+def name_regions(gm: torch.fx.GraphModule) -> int:
+    """Give each region of Dynamo's graph ``gm`` its own name: regions of one group (the
+    blocks of a model compiled whole) share a token, so the ``context_fn`` torch will call
+    becomes ``partial(region_contexts, token, name)``, the name read from the checkpoint
+    node's module stack (:func:`sac_compile.region_groups.name_in_graph`). The graph's
+    guards are already built: the name is data here. Returns how many were renamed."""
+    renamed = 0
+    for owner in gm.modules():
+        if not isinstance(owner, torch.fx.GraphModule):
+            continue
+        for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
+            body = getattr(owner, getattr(node.args[0], "target", ""), None)
+            context_fn = getattr(body, "meta", {}).get("_checkpoint_context_fn")
+            if context_fn_kind(context_fn) != "region" or len(context_fn.args) != 1:
+                continue
+            group = group_of_token(context_fn.args[0])
+            name = name_in_graph(group, node)
+            if name != group.name:
+                body.meta["_checkpoint_context_fn"] = functools.partial(
+                    region_contexts, context_fn.args[0], name)
+                renamed += 1
+    return renamed
+
+
+_CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
 
 
 def close_checkpoints_left_open(exc: BaseException) -> None:
@@ -93,19 +126,33 @@ def close_checkpoints_left_open(exc: BaseException) -> None:
             log.debug("sac_compile: closing a checkpoint left open failed", exc_info=True)
 
 
-def _region_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *args: Any,
-                 **kwargs: Any) -> Any:
+def _region_body(token: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The region's body. Traced by dynamo, it is just ``fn``. Run eagerly - dynamo broke the
     graph inside the region and executes the checkpoint call as Python - it runs ``fn``
     through the eager runtime, whose saved-tensor hooks take over from torch's checkpoint
     (nothing is left for torch to recompute, so the user's Python runs once)."""
     if torch.compiler.is_compiling():
-        if _PROBE_HOOKS_WHILE_TRACED and _untraceable_hooks(name, policy):
+        if _PROBE_HOOKS_WHILE_TRACED and _untraceable_hooks(token):
             torch._dynamo.graph_break()  # the region then runs through the eager runtime
         return fn(*args, **kwargs)
-    from .. import runtime
+    group = group_of_token(token)
+    return _run_eagerly(RegionFrame(group.name, group.policy), group.allow, fn, args, kwargs)
+
+
+def _checkpoint_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *args: Any,
+                     **kwargs: Any) -> Any:
+    """:func:`_region_body` of a ``sac_compile.checkpoint`` call (its raw policy and name)."""
+    if torch.compiler.is_compiling():
+        if _PROBE_HOOKS_WHILE_TRACED and _untraceable_checkpoint_hooks(name, policy):
+            torch._dynamo.graph_break()
+        return fn(*args, **kwargs)
     from ..policy import normalize_policy
-    frame = RegionFrame(name, normalize_policy(policy))
+    return _run_eagerly(RegionFrame(name, normalize_policy(policy)), allow, fn, args, kwargs)
+
+
+def _run_eagerly(frame: RegionFrame, allow: bool, fn: Callable[..., Any], args: tuple,
+                 kwargs: dict) -> Any:
+    from .. import runtime
     note_eager_fallback(frame)
     if take_eager_entry():  # our context_fn already runs this call through the eager runtime
         return fn(*args, **kwargs)
@@ -130,15 +177,25 @@ def hooks_fall_back_to_eager() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _untraceable_hooks(name: str, policy: Any) -> bool:
+def _untraceable_hooks(token: str) -> bool:
     """Whether the region's policy can return ``SaveWithHooks`` that cannot be traced into
     the compiled graphs (Python on tensor values, ``.item()``...). Such a region runs
     through the eager runtime, where hooks run as Python; warned once per region. Run
     once per trace (a constant to Dynamo)."""
+    group = group_of_token(token)
+    return _falls_back_for_hooks(group.name, group.policy)
+
+
+@torch.compiler.assume_constant_result
+def _untraceable_checkpoint_hooks(name: str, policy: Any) -> bool:
     from ..policy import normalize_policy
+    return _falls_back_for_hooks(name, normalize_policy(policy))
+
+
+def _falls_back_for_hooks(name: str, policy: Any) -> bool:
     from .save_hooks import untraceable_hooks
     try:
-        why = untraceable_hooks(normalize_policy(policy))
+        why = untraceable_hooks(policy)
     except Exception:  # an unusual policy object: the partitioner still checks each value
         return False
     if why is None:
@@ -149,7 +206,7 @@ def _untraceable_hooks(name: str, policy: Any) -> bool:
         f"sac_region {name!r}: {why}; under torch.compile hooks are traced into the compiled "
         f"graphs, so this region runs through the eager runtime instead (correct, not "
         f"compiled). To compile it, write pack/unpack as torch code on tensors without "
-        f".item() or Python branches on values (warned once per region)", stacklevel=2)
+        f".item() or Python branches on values (warned once per region)", stacklevel=4)
     log.info("sac_compile: region %r runs through the eager runtime: %s", name, why)
     return True
 
@@ -161,14 +218,15 @@ def checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any,
     ``name`` was computed by ``regions._region_name`` while dynamo traced, by the same rule
     as in eager mode."""
     context_fn = functools.partial(policy_contexts, name, policy)
-    body = functools.partial(_region_body, name, policy, allow_cache_entry_mutation, fn)
+    body = functools.partial(_checkpoint_body, name, policy, allow_cache_entry_mutation, fn)
     return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
                                              context_fn=context_fn, **kwargs)
 
 
 def policy_contexts(name: str, policy: Any) -> Any:
     from ..policy import normalize_policy
-    return region_contexts(name, normalize_policy(policy))
+    from .tagging import frame_contexts
+    return frame_contexts(RegionFrame(name, normalize_policy(policy)), False)
 
 
 def tag(tensor: torch.Tensor, opinion: Opinion) -> torch.Tensor:
@@ -183,7 +241,7 @@ _CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpo
 
 
 def context_fn_kind(context_fn: Any) -> str | None:
-    """``"region"`` (``partial(region_contexts, name, policy, allow)``), ``"checkpoint"``
+    """``"region"`` (``partial(region_contexts, token)``), ``"checkpoint"``
     (``partial(policy_contexts, name, raw_policy)``), or None: not one of ours."""
     func = getattr(context_fn, "func", None)
     if func is region_contexts:

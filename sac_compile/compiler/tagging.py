@@ -60,7 +60,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from ..logs import warn_once_per_region
 from ..per_call import fresh_frame
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
-                      RegionFrame, decide, foreign_tensor_message, warn_inert_policies)
+                      RegionFrame, decide, foreign_tensor_message, region_reads,
+                      warn_inert_policies)
+from ..region_groups import RegionGroup, group_of_token, split_by_name
 from .markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from .roles import is_joint_graph
 
@@ -126,9 +128,10 @@ class SACTaggingMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, frame: RegionFrame) -> None:
+    def __init__(self, frame: RegionFrame, group: RegionGroup | None = None) -> None:
         super().__init__()
         self.frame = frame
+        self.group = group  # the regions that share this graph (None: a checkpoint() call)
         self.region_id = next(_region_ids)
         self.ac_graph_id: int | None = None  # set by torch's tag_activation_checkpoint
         # The ops this region call decided, kept by the outermost of our active modes for
@@ -191,10 +194,13 @@ class SACTaggingMode(TorchDispatchMode):
             decision = Decision(PREFER_RECOMPUTE, region=path[-1], source="default")
             ask = None
         else:
+            reads = region_reads()
             try:
                 decision = decide(frames, func, args, kwargs, out)
             except CheckpointError as e:
                 reraise_compiled(e)
+            if region_reads() != reads:
+                _name_was_read(stack)
             ask = (frames, func, args, kwargs, out)
             stack[0].decided.append(DecidedOp(frames, func, decision))
         call = next(_call_ids)
@@ -218,6 +224,15 @@ class SACTaggingMode(TorchDispatchMode):
 
 
 _RECOMPUTES = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _name_was_read(stack: list[SACTaggingMode]) -> None:
+    """A policy of the active regions read ``ctx.region`` while deciding: the groups that
+    assumed the name does not matter are split by name (which policy read it is not
+    known; splitting one too many costs a compile, never a wrong split later)."""
+    for mode in stack:
+        if mode.group is not None and not mode.group.by_name and len(mode.group.slots) > 1:
+            split_by_name(mode.group)
 
 
 def _is_seeded(node: torch.fx.Node) -> bool:
@@ -269,8 +284,18 @@ class NoOpMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def region_contexts(name: str, policy: Any, allow_cache_entry_mutation: bool = False) -> Any:
-    """``context_fn`` for ``torch.utils.checkpoint`` under compile (used via functools.partial).
+def region_contexts(token: str, name: str | None = None) -> Any:
+    """``context_fn`` of a region under compile (``functools.partial(region_contexts,
+    token)``): the contexts of :func:`frame_contexts` for the region's group
+    (:mod:`sac_compile.region_groups`), its policy asked under the group's name, or under
+    ``name`` where our backend found which member of the group the region is."""
+    group = group_of_token(token)
+    return frame_contexts(RegionFrame(name or group.name, group.policy), group.allow, group)
+
+
+def frame_contexts(frame: RegionFrame, allow_cache_entry_mutation: bool = False,
+                   group: RegionGroup | None = None) -> Any:
+    """The forward and recompute contexts of a region call under compile.
 
     While AOTAutograd traces: the tagging mode (and, once per region, a warning when the
     joint graph will not be split by our partitioner). When torch's checkpoint op runs for
@@ -280,12 +305,12 @@ def region_contexts(name: str, policy: Any, allow_cache_entry_mutation: bool = F
     the eager runtime instead, whose saved-tensor hooks take over from torch's: nothing is
     left for torch to recompute (which would redraw random ops and update buffers twice).
     """
-    frame = fresh_frame(RegionFrame(name, policy))  # per_call(...): built for this trace
+    frame = fresh_frame(frame)  # a per_call(...) policy: built for this trace
     if _runs_eagerly():
         return _EagerRegion(frame, allow_cache_entry_mutation), contextlib.nullcontext()
     if _joint_tracing() and not partitioned_by_us():
-        _warn_foreign_partitioner(name)
-    return SACTaggingMode(frame), NoOpMode()
+        _warn_foreign_partitioner(frame.name)
+    return SACTaggingMode(frame, group), NoOpMode()
 
 
 def _runs_eagerly() -> bool:

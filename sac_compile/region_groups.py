@@ -1,0 +1,241 @@
+"""Region groups: what a compiled region's graph is keyed by.
+
+Dynamo guards every constant a compiled region passes to torch's checkpoint. Were that the
+region's name (``layers.7``), each of N identical blocks compiled on its own (torchtitan's
+``apply_compile``: one ``fullgraph=True`` compile per block) would compile its own graph,
+and the 9th would hit Dynamo's recompile limit. Were it the policy function, Dynamo would
+guard a closure by its code alone, and blocks whose policies differ only in a closure
+value would share one split.
+
+So a region passes one string, its group's **token**, and Dynamo guards that string. Regions
+share a group when their policies have the same identity (:mod:`.policy_identity`: the
+same value, or functions with the same code and the same values read) and
+``allow_cache_entry_mutation`` agrees - unless the policy may read ``ctx.region``, then
+each name has its own group. The name is data: the group keeps every member's name for
+reports and logs, and a group's graph is traced with the policy asked under the name of
+its first member (for a policy that does not read it, any member's name decides the same).
+
+A policy seen to read the name while it decides (``policy.region_reads``) but whose code
+did not show it: :func:`split_by_name` gives each member its own group (said once); the
+tokens change, so Dynamo compiles again for the other members.
+
+A policy with no stable identity (an object whose state the rule cannot see), or whose own
+state holds a list, dict or set (a counter in a closure: equal now, not later), is grouped
+by the object itself: regions given the same object still share.
+
+Function regions (``@sac_region`` on a function) are grouped by name as well: Dynamo guards
+the decorated function anyway, so sharing gains nothing there, and errors and reports keep
+naming the right function. Module regions leave the name out; their names are recovered for
+each region of a graph that holds several (:func:`name_in_graph`).
+
+More groups than Dynamo's recompile limit allows for one block's code would fail a
+``fullgraph=True`` compile, or silently run the rest uncompiled: :func:`_allow_recompiles`
+raises the limit to fit the groups, and says so once.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from .policy import RegionFrame
+from .policy_identity import policy_identity
+
+__all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "split_by_name",
+           "members_of"]
+
+log = logging.getLogger("sac_compile")
+
+
+class RegionGroup:
+    """Regions that share one compiled graph: ``token`` (what Dynamo guards), the policy,
+    the name the policy is asked under, whether the name may matter, and the members."""
+
+    __slots__ = ("token", "policy", "first_name", "allow", "by_name", "_slots", "why_no_key")
+
+    def __init__(self, token: str, policy: Any, name: str, allow: bool, by_name: bool,
+                 why_no_key: str | None) -> None:
+        self.token = token
+        self.policy = policy
+        self.first_name = name
+        self.allow = allow
+        self.by_name = by_name
+        # Weak: a group outlives the models whose blocks were in it (the same policy in a
+        # later model joins it again); their names must not stand for the new blocks.
+        self._slots: list[weakref.ref[RegionSlot]] = []
+        self.why_no_key = why_no_key
+
+    @property
+    def slots(self) -> list[RegionSlot]:
+        """The live members' slots, in the order they joined."""
+        live = [slot for slot in (ref() for ref in self._slots) if slot is not None]
+        if len(live) != len(self._slots):
+            self._slots = [weakref.ref(slot) for slot in live]
+        return live
+
+    def add(self, slot: RegionSlot) -> None:
+        self._slots.append(weakref.ref(slot))
+
+    @property
+    def members(self) -> list[str]:
+        return [slot.name for slot in self.slots]
+
+    @property
+    def name(self) -> str:
+        """The name the policy is asked under when a graph does not say which member it
+        is (a block compiled on its own): the first live member's."""
+        slots = self.slots
+        return slots[0].name if slots else self.first_name
+
+    def __repr__(self) -> str:
+        n = len(self.slots)
+        more = f" (+{n - 1} more)" if n > 1 else ""
+        return f"RegionGroup({self.name!r}{more}, policy={self.policy!r})"
+
+
+class RegionSlot:
+    """One region's place in a group: ``token`` is the one attribute compiled code reads
+    (Dynamo guards its value); it changes only when the group is split by name."""
+
+    __slots__ = ("token", "name", "__weakref__")
+
+    def __init__(self, token: str, name: str) -> None:
+        self.token = token
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"RegionSlot({self.name!r}, {self.token})"
+
+
+_GROUPS: dict[str, RegionGroup] = {}
+_LOCK = threading.RLock()
+_NAME_SPLIT: set[str] = set()  # identities seen reading the name at run time
+
+
+def _identity_text(policy: Any) -> tuple[str, str | None, bool]:
+    identity = policy_identity(policy)
+    shared = identity.key is not None and not identity.own_mutable_state
+    text = identity.key if shared else f"object {id(policy)}"
+    return text, identity.why_not, identity.reads_region or text in _NAME_SPLIT
+
+
+def _token(identity_text: str, allow: bool, name: str | None) -> str:
+    text = f"{identity_text}|allow={allow}|name={name!r}"
+    return "sac:" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False) -> None:
+    identity_text, why_not, reads_name = _identity_text(policy)
+    by_name = by_name or reads_name
+    token = _token(identity_text, allow, slot.name if by_name else None)
+    with _LOCK:
+        group = _GROUPS.get(token)
+        if group is None:
+            group = _GROUPS[token] = RegionGroup(token, policy, slot.name, allow, by_name,
+                                                 why_not)
+            _allow_recompiles()
+        group.add(slot)
+        slot.token = token
+
+
+def frame_in_group(name: str, policy: Any, allow: bool = False, *,
+                   by_name: bool = False) -> RegionFrame:
+    """The frame of a new region ``name`` with (normalised) ``policy``, its slot in the
+    group of earlier regions with the same identity, or in a new one (``by_name``: only
+    with regions of the same name)."""
+    slot = RegionSlot("", name)
+    _join(slot, policy, allow, by_name)
+    return RegionFrame(name, policy, slot)
+
+
+_NAMES_BY_MODULE: dict[int, list[str]] = {}  # nested regions: several per module
+
+
+def name_module(module: Any, name: str) -> None:
+    """Remember the region name of a wrapped module, by the key Dynamo's
+    ``nn_module_stack`` gives it (its ``id``), while it lives."""
+    key = id(module)
+    names = _NAMES_BY_MODULE.get(key)
+    if names is None:
+        names = _NAMES_BY_MODULE[key] = []
+        weakref.finalize(module, _NAMES_BY_MODULE.pop, key, None)
+    names.append(name)
+
+
+def name_in_graph(group: RegionGroup, node: Any) -> str:
+    """The name of the region that Dynamo's checkpoint node ``node`` calls: the group's
+    member whose module is innermost in the node's ``nn_module_stack`` (a whole model
+    compiled as one graph holds every block of a group), else the group's name."""
+    stack = node.meta.get("nn_module_stack") or {}
+    members = set(group.members)
+    for key in reversed(list(stack)):
+        try:
+            names = _NAMES_BY_MODULE.get(int(key), ())
+        except (TypeError, ValueError):
+            continue
+        for name in names:
+            if name in members:
+                return name
+    return group.name
+
+
+def group_of_token(token: str) -> RegionGroup:
+    return _GROUPS[token]
+
+
+def members_of(name: str) -> list[str]:
+    """The names of the regions that share ``name``'s graph (the group's own name first)."""
+    with _LOCK:
+        groups = list(_GROUPS.values())
+    for group in groups:
+        members = group.members
+        if name in members and len(members) > 1:
+            return members
+    return [name]
+
+
+def split_by_name(group: RegionGroup) -> None:
+    """``group``'s policy read the region's name while deciding, which its code did not
+    show: from now on each name has a group of its own (later regions of the policy too).
+    The members' tokens change, so Dynamo compiles again for each of them."""
+    with _LOCK:
+        if group.by_name:
+            return
+        identity_text, _, _ = _identity_text(group.policy)
+        _NAME_SPLIT.add(identity_text)
+        slots, keep = group.slots, group.name
+        group.by_name = True
+        group._slots = []
+        for slot in slots:
+            if slot.name == keep:
+                group.add(slot)
+            else:
+                _join(slot, group.policy, group.allow)
+    log.warning("sac_compile: the policy %r read ctx.region while deciding, which its code "
+                "did not show; its regions (%s) now compile one graph per name (said once "
+                "per policy)", group.policy,
+                ", ".join(s.name for s in slots[:4]) + (", ..." if len(slots) > 4 else ""))
+
+
+_RAISED = [False]
+
+
+def _allow_recompiles() -> None:
+    """Dynamo compiles a block's code once per group its instances are in; keep its
+    recompile limit above the number of groups (the caller holds ``_LOCK``)."""
+    config = torch._dynamo.config
+    attr = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    limit = getattr(config, attr)
+    needed = len(_GROUPS) + 1
+    if needed > limit:
+        setattr(config, attr, needed)
+        if not _RAISED[0]:
+            _RAISED[0] = True
+            log.warning("sac_compile: %d groups of regions cannot share one compiled graph "
+                        "(their policies differ, read the region's name or have no stable "
+                        "identity); torch._dynamo.config.%s raised from %d to fit them (said "
+                        "once)", len(_GROUPS), attr, limit)
