@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import importlib.util
 import operator
 import statistics
 import sys
@@ -151,6 +152,10 @@ def unavailable(cfg: "Config") -> str | None:
     """Why ``cfg`` cannot run with this torch / sac_compile (None: it can)."""
     if cfg.side == "ours" and SAC_COMPILE_MISSING:
         return SAC_COMPILE_MISSING
+    if cfg.policy is offload_policy and importlib.util.find_spec(
+            "torch._functorch._activation_offloading.offload_ops") is None:
+        return (f"CPU offload under compile needs torch >= 2.12 (torch.ops.ao); this is torch "
+                f"{torch.__version__}")
     if cfg.torch_flags.get("enable_activation_offloading"):
         return torch_offload_support()
     return None
