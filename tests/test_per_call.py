@@ -20,10 +20,11 @@ import torch
 import torch.utils.checkpoint as tuc
 from functorch.compile import make_boxed_func
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 import sac_compile as sc
-from fixtures.titan import TransformerBlock, make_titan_model
+from fixtures.titan import (TransformerBlock, make_policy, make_titan_model,
+                            selective_checkpointing_context_fn)
 from sac_compile import CheckpointError, per_call, policies
 from sac_compile.compiler import SACPartitioner
 from sac_compile.compiler.backend import _SACAotAutograd
@@ -33,44 +34,6 @@ aten = torch.ops.aten
 MM = aten.mm.default
 PER_BLOCK = "SRSRSRS"  # 7 matmuls per block (wq wk wv wo w1 w3 w2): odd ones saved
 STEPS = 2
-
-# -- torchtitan's policy, as torchtitan writes it ---------------------------------------
-
-_save_list = {
-    aten.mm.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten.max.default,
-}
-
-
-def _get_custom_policy(meta):
-    def _custom_policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        mm_count_key = f"{mode}_mm_count"
-        if func == torch.ops.aten.mm.default:
-            meta[mm_count_key] += 1
-        # Saves output of all compute ops, except every second mm
-        to_save = func in _save_list and not (
-            func == torch.ops.aten.mm.default and meta[mm_count_key] % 2 == 0
-        )
-        return (
-            CheckpointPolicy.MUST_SAVE
-            if to_save
-            else CheckpointPolicy.PREFER_RECOMPUTE
-        )
-
-    return _custom_policy
-
-
-def selective_checkpointing_context_fn():
-    meta = defaultdict(int)
-    return create_selective_checkpoint_contexts(_get_custom_policy(meta))
-
-
-def make_policy():
-    return _get_custom_policy(defaultdict(int))
-
 
 # -- the ways of checkpointing each block -----------------------------------------------
 

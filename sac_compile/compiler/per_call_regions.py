@@ -20,7 +20,7 @@ import torch
 from ..per_call import build
 from ..policy import CheckpointError, RegionFrame
 from .regions_compiled import note_eager_fallback
-from .tagging import reraise_compiled, take_eager_entry
+from .tagging import frame_contexts, reraise_compiled, take_eager_entry
 
 __all__ = ["checkpoint_per_call", "per_call_contexts"]
 
@@ -40,15 +40,7 @@ def per_call_contexts(name: str, make: Any, kind: str) -> Any:
         policy, allow = build(make, kind, name)
     except CheckpointError as e:
         reraise_compiled(e)  # raised to the user as is, not as a backend failure
-    return _region_contexts(name, policy, allow)
-
-
-def _region_contexts(name: str, policy: Any, allow: bool) -> Any:
-    from . import tagging
-    frame_contexts = getattr(tagging, "frame_contexts", None)
-    if frame_contexts is not None:  # tagging's API once regions are grouped (issue 18)
-        return frame_contexts(RegionFrame(name, policy), allow)
-    return tagging.region_contexts(name, policy, allow)
+    return frame_contexts(RegionFrame(name, policy), allow)
 
 
 def _body(name: str, make: Any, kind: str, fn: Callable[..., Any], *args: Any,
