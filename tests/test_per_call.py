@@ -242,11 +242,12 @@ def test_per_call_builds_one_policy_per_region_call_in_both_modes():
     assert len(built) == 3
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=sc.make_backend(compiler="aot_eager"))
-    compiled(x, w).sum().backward()
-    traced = len(built) - 3
-    assert traced >= 1  # while AOTAutograd traces the region (as torch calls context_fn)
-    for _ in range(2):
+    with torch._functorch.config.patch(enable_autograd_cache=False):  # trace, not a hit
         compiled(x, w).sum().backward()
+        traced = len(built) - 3
+        assert traced >= 1  # while AOTAutograd traces the region (as torch calls context_fn)
+        for _ in range(2):
+            compiled(x, w).sum().backward()
     assert len(built) == 3 + traced  # the compiled split serves every later call
 
 
