@@ -26,14 +26,18 @@ Output goes to stderr through torch's log format (``TORCH_LOGS_FORMAT`` applies)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
+import tempfile
+import threading
 import warnings
+from collections.abc import Iterator
 
 __all__ = ["LOGGER", "ARTIFACT", "ENV_VAR", "log", "partition_log", "get_logger", "enable",
-           "disable", "apply_settings", "warn_once_per_region"]
+           "disable", "apply_settings", "warn_once_per_region", "native_stdout_to_log"]
 
 LOGGER = "sac_compile"
 ARTIFACT = "sac_partition"
@@ -158,3 +162,49 @@ def warn_once_per_region(kind: str, region: str, message: str, *, stacklevel: in
     _WARNED_ONCE.add((kind, region))
     warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
     return True
+
+
+_NATIVE_STDOUT_LOCK = threading.Lock()
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's stdio buffers (a native ``printf`` to a pipe or file is
+    buffered there, and would land on whatever file descriptor 1 is when it is flushed)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # no C library to reach (Windows): nothing buffered we could flush
+        pass
+
+
+@contextlib.contextmanager
+def native_stdout_to_log(logger: logging.Logger, source: str) -> Iterator[None]:
+    """Send what native code prints on the process's standard output (file descriptor 1)
+    while the block runs to ``logger`` at DEBUG, one record per line, prefixed by
+    ``source``, instead of the user's terminal. For solvers whose C++ code prints with
+    ``printf`` whatever their options say (HiGHS, under scipy's ``milp``). File
+    descriptor 1 is the process's, so output of other threads in that window is logged
+    too; blocks run one at a time."""
+    with _NATIVE_STDOUT_LOCK:
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        _flush_c_stdio()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no file descriptor 1: nothing could reach a terminal anyway
+            yield
+            return
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                _flush_c_stdio()
+                os.dup2(saved, 1)
+                os.close(saved)
+                sink.seek(0)
+                for line in sink.read().decode("utf-8", "replace").splitlines():
+                    if line.strip():
+                        logger.debug("%s: %s", source, line)

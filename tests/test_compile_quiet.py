@@ -2,6 +2,7 @@
 and still shown (once) for a user's own torch.utils.checkpoint(..., context_fn=...)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -74,3 +75,48 @@ def test_torch_sac_run_by_the_report_is_quiet_too():
     assert sep, proc.stderr[-3000:]
     assert "context_fn" not in ours, ours[-3000:]
     assert "Detected that context_fn is passed to torch.utils.checkpoint" in theirs
+
+
+SCRIPT_SOLVER_OUTPUT = textwrap.dedent("""
+    import json, logging, math
+    import scipy.optimize
+    from sac_compile.compiler import exact
+
+    real_milp = scipy.optimize.milp
+
+    def loud_milp(*args, options=None, **kwargs):   # HiGHS printing from C++, as its
+        return real_milp(*args, options={**(options or {}), "disp": True}, **kwargs)
+    scipy.optimize.milp = loud_milp                  # debug lines do whatever disp says
+
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    logging.getLogger("sac_compile").setLevel(logging.DEBUG)
+    logging.getLogger("sac_compile").addHandler(Keep())
+
+    inf = math.inf   # input -> a -> b, both needed by the backward; 8 bytes fit
+    p = exact.ExactProblem([(1, 2), (3, 4), (3, 7), (5, 7)], [4, 8, 8], [inf] * 3,
+                           [inf, 5, 20], [True, False, False])
+    sol = exact.solve_exact(p, 8)
+    ours = [r for r in records if r.getMessage().startswith("HiGHS: ")]
+    print("SOLVED", json.dumps([sol.kept, sol.recomputed, len(ours),
+                                sorted({r.name for r in ours}),
+                                sorted({r.levelname for r in ours})]), flush=True)
+""")
+
+
+def test_the_milp_solvers_own_output_goes_to_our_debug_log_not_the_terminal():
+    """A budgeted compile printed HiGHS's C++ lines (``HighsMipSolverData::...``) on the
+    user's terminal: they are printf, not governed by ``disp``. Whatever the solver prints
+    on file descriptor 1 now becomes DEBUG records of ``sac_compile.compiler.exact``."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_SOLVER_OUTPUT], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("SOLVED "), proc.stdout[-3000:]
+    kept, recomputed, count, loggers, levels = json.loads(lines[0].split(" ", 1)[1])
+    assert (kept, recomputed) == ([0, 2], [1])       # keeps b (and the input), recomputes a
+    assert count > 5                                 # HiGHS's banner, its presolve, ...
+    assert (loggers, levels) == (["sac_compile.compiler.exact"], ["DEBUG"])
+    assert "HiGHS" not in proc.stderr

@@ -88,6 +88,8 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
+    from ..logs import get_logger, native_stdout_to_log
+
     n = p.n
     nv = 2 * n + 2
     src, snk = 2 * n, 2 * n + 1
@@ -155,9 +157,10 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
         if entries:
             row(entries, -np.inf, float(group_cap) - shift)
     a = coo_array((vals, (rows, cols)), shape=(len(rlo), nvar)).tocsr()
-    res = milp(c, integrality=integrality, bounds=Bounds(lo, hi),
-               constraints=LinearConstraint(a, rlo, rhi),
-               options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False})
+    with native_stdout_to_log(get_logger("compiler.exact"), "HiGHS"):  # its printf lines
+        res = milp(c, integrality=integrality, bounds=Bounds(lo, hi),
+                   constraints=LinearConstraint(a, rlo, rhi),
+                   options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False})
     if res.x is None:
         return None
     x = np.round(res.x).astype(int)
