@@ -13,7 +13,9 @@ same network (:mod:`.network`) is solved exactly with scipy's ``milp`` (HiGHS):
 * budget: ``sum over activations of save_i * d_i`` + the RNG state bytes of recomputed
   random ops ``<= B``;
 * minimise ``K`` = recompute + offload + kept input bytes (the rest of the objective), plus
-  a tie-break of ``1e-9`` per device byte kept.
+  a tie-break of ``1e-9`` per device byte kept; the device bytes of the ``priced`` nodes
+  (and the RNG states their recomputes keep) count in full instead: values under no cap
+  (per-region budgets, :mod:`.region_budgets`) are kept as the cut without a budget would.
 
 The arrays come from :meth:`ExactProblem.from_network`; :func:`brute_force` enumerates every
 cut of a tiny problem, the test oracle for the formulation.
@@ -78,12 +80,13 @@ def objective(p: ExactProblem, kept: set[int], on_host: set[int],
 
 
 def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: float = 20.0,
-                group_caps: Sequence[tuple[Sequence[int], float]] = ()
-                ) -> ExactSolution | None:
+                group_caps: Sequence[tuple[Sequence[int], float]] = (),
+                priced: Sequence[int] = ()) -> ExactSolution | None:
     """The cheapest cut whose device activation bytes fit ``budget_bytes`` (None: no cap on
     all of them) and, for each ``(nodes, cap)`` of ``group_caps``, whose device bytes of
     those nodes fit ``cap`` (per-region budgets); None when no cut fits or the solver found
-    none within ``time_limit`` seconds."""
+    none within ``time_limit`` seconds. The device bytes of the ``priced`` nodes are part of
+    the objective (one unit per byte, as in the cut without a budget)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
@@ -104,6 +107,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
     integrality[:nv] = 1
     integrality[D:D + n] = 1
     const = 0.0
+    priced_set = set(priced)
     rows, cols, vals, rlo, rhi = [], [], [], [], []
 
     def row(entries: list[tuple[int, float]], low: float, high: float) -> None:
@@ -123,6 +127,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
         if rec == INF:
             lo[vin] = 1.0
         elif rec > 0:
+            rec += p.recompute_bytes.get(i, 0.0) if i in priced_set else 0.0
             const += rec
             c[vin] -= rec
         if save == INF:
@@ -134,7 +139,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
         if save == INF and off == INF:
             row([(vin, 1.0), (vout, -1.0)], -np.inf, 0.0)  # never cut
             continue
-        if p.is_input[i]:
+        if p.is_input[i] or (i in priced_set and save != INF):
             c[D + i] = save
         elif save != INF:
             c[D + i] = TIE_BREAK * save

@@ -30,7 +30,8 @@ from . import costs
 from .boundaries import BOUNDARY_KEY, solve_lowering_peak
 from .budget import budget_label, check_budget, solve_with_budget
 from .network import CostModel, build_flow_network, classify
-from .region_budgets import region_budget_annotations, solve_with_region_budgets
+from .region_budgets import (region_budget_annotations, solve_with_region_budgets,
+                             torch_global_budget)
 from .final_graphs import recomputed_names, rng_replays
 from .normalize import normalize_tags
 from .order import raise_getitems_in_place, reorder_like_autograd
@@ -46,7 +47,7 @@ P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 _HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
                    "budget", "region_budgets", "exact", "reasons", "order", "final_graphs",
-                   "peak", "boundaries", "partition")
+                   "peak", "boundaries", "partition", "stand_ins")
 
 
 def _code_hash() -> str:
@@ -176,9 +177,24 @@ class SACPartitioner(CustomPartitionerFn):
         net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
                                  rng_functionalized=True, packed_bytes=packed_sizes(gm),
                                  can_offload=_offload_pass_available(gm))
+        from .stand_ins import keep_stand_ins_off_device  # offloaded: nor what stands in
+        stand_ins = keep_stand_ins_off_device(net)
+        if stand_ins:
+            report.notes.append(
+                f"{len(stand_ins)} values computed from values the policy offloads may not "
+                f"be kept on the device in their place (recomputed from the reloaded value, "
+                f"or offloaded): {', '.join(v.name for v in list(stand_ins)[:4])}"
+                f"{', ...' if len(stand_ins) > 4 else ''}")
         lap("network")
         host, host_reason = [], ""
-        regions = region_budget_annotations(cls.nodes)
+        # torch's budgets, honoured (torch ignores them once a region is in the graph)
+        torch_budget = torch_global_budget()
+        regions = region_budget_annotations(
+            cls.nodes, torch_budget if self.memory_budget is None else None)
+        if torch_budget is not None and self.memory_budget is not None:
+            report.notes.append(
+                f"torch._functorch.config.activation_memory_budget={torch_budget:g} not "
+                f"applied: memory_budget={self.memory_budget!r} given to the partitioner")
         # Each solve below goes through the region-boundary floor where that lowers the peak.
         if self.memory_budget is None and not regions:
             (saved, _), lines = solve_lowering_peak(gm, net, lambda n: solve(n, self.solver),
@@ -188,7 +204,7 @@ class SACPartitioner(CustomPartitionerFn):
             host_reason = "kept on the host by the cut: transferring it costs less than " \
                           "keeping it on the device or recomputing it"
         else:
-            if regions:  # torch's per-region budgets, honoured (torch ignores them with SAC)
+            if regions:
                 (res, lines), floor = solve_lowering_peak(
                     gm, net, lambda n: solve_with_region_budgets(n, regions, self.memory_budget,
                                                                  self.solver),
@@ -201,15 +217,16 @@ class SACPartitioner(CustomPartitionerFn):
                 report.notes.extend(floor)
             saved = res.saved
             label = budget_label(self.memory_budget) if self.memory_budget is not None \
-                else "(per region)"
+                else "(torch's, per group above)"
             if self.memory_budget is not None:
                 report.memory_budget = self.memory_budget
                 report.budget_bytes = int(res.budget_bytes)
+            cap = f"cap {fmt_bytes(res.budget_bytes)}, " if self.memory_budget is not None \
+                else ""
             report.notes.append(
                 f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
-                f"saved, cap {fmt_bytes(res.budget_bytes)} (unconstrained "
-                f"{fmt_bytes(res.unconstrained_bytes)}, least reachable "
-                f"{fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
+                f"saved ({cap}unconstrained {fmt_bytes(res.unconstrained_bytes)}, least "
+                f"reachable {fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
                 + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
             for v in res.evicted:
                 dec = v.meta.get("sac_decision")

@@ -1,16 +1,24 @@
-"""torch's per-region activation memory budgets (``torch.autograd.graph.
-region_activation_memory_budget``), honoured per region.
+"""torch's activation memory budgets, honoured where torch ignores them: per region
+(``torch.autograd.graph.region_activation_memory_budget``) and graph-wide
+(``torch._functorch.config.activation_memory_budget``).
 
-torch 2.13 applies one budget per joint graph, ignores it once a checkpoint is in the graph
-and refuses two different budgets in one graph. Here each annotated group of forward values
-gets its own cap, with torch's meaning of ``b``: ``least + b * (unconstrained - least)``
-device bytes, where ``least`` is what the group keeps when everything in it that may be
-recomputed or offloaded is, and ``unconstrained`` what the cut keeps without a budget. The
-caps (and a graph-wide ``memory_budget``, if any) are rows of :mod:`.exact`'s program.
+torch 2.13 applies one budget per joint graph, ignores both once a checkpoint is in the
+graph and refuses two different region budgets in one graph. Here each annotated stretch
+of the forward gets its own cap, with torch's meaning of ``b``: ``least + b * (unconstrained
+- least)`` device bytes, where ``least`` is what the stretch keeps when everything in it that
+may be recomputed or offloaded is, and ``unconstrained`` what the cut keeps without a
+budget. A stretch is one region call's annotated values (a ``with`` around two region calls
+gives each call a cap of the same fraction), or, outside regions, a run of consecutive
+annotated values. torch's graph-wide budget is one more cap, over every value no region
+budget covers (torch: a region's annotation overrides the global budget). Values under no
+cap are kept as the cut without any budget keeps them (their bytes stay in the objective).
+The caps (and our own ``memory_budget``, if any) are rows of :mod:`.exact`'s program.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -18,32 +26,76 @@ from .budget import TILT, EXACT_TIME_LIMIT, BudgetResult, Cut, _cut, _is_activat
 from .network import FlowNetwork
 from .solvers import source_side
 
-__all__ = ["region_budget_annotations", "solve_with_region_budgets"]
+__all__ = ["BudgetGroup", "region_budget_annotations", "torch_global_budget",
+           "solve_with_region_budgets"]
 
 
-def region_budget_annotations(nodes: list[fx.Node]) -> dict[fx.Node, float]:
-    """The forward nodes annotated by ``torch.autograd.graph.region_activation_memory_budget``
-    (torch >= 2.13; none on an older torch) and their budgets."""
+@dataclasses.dataclass
+class BudgetGroup:
+    """Values under one cap of torch's meaning."""
+
+    label: str               # for the report: what set the budget, on which values
+    fraction: float          # torch's b in [0, 1]
+    nodes: list[fx.Node]
+
+
+def torch_global_budget() -> float | None:
+    """``torch._functorch.config.activation_memory_budget`` when it asks for less than the
+    default strategy (< 1.0); None otherwise."""
+    import torch._functorch.config as config
+    b = getattr(config, "activation_memory_budget", 1.0)
+    return float(b) if b is not None and float(b) < 1.0 else None
+
+
+def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | None = None
+                              ) -> list[BudgetGroup]:
+    """The groups of forward values under torch's budgets: one per annotated stretch
+    (``region_activation_memory_budget``, torch >= 2.13) and, with ``global_fraction``
+    (torch's ``activation_memory_budget``), one over the values none of them covers."""
     try:
         from torch.fx.traceback import _get_memory_budget_annotation
     except ImportError:  # pragma: no cover - torch < 2.13
-        return {}
-    out = {}
+        _get_memory_budget_annotation = None
+    groups: dict[object, BudgetGroup] = {}
+    rest: list[fx.Node] = []
+    run, last = 0, None
     for v in nodes:
-        b = _get_memory_budget_annotation(v)
-        if b is not None and v.op == "call_function":
-            out[v] = float(b)
+        if v.op != "call_function":
+            continue
+        b = _get_memory_budget_annotation(v) if _get_memory_budget_annotation else None
+        call = v.meta.get("sac_outer_region_id")
+        if b is None:
+            rest.append(v)
+            if call is None:
+                last = None  # a value outside regions and budgets ends a run
+            continue
+        b = float(b)
+        if last != (b, call):
+            run, last = run + 1, (b, call)
+        key = (b, call) if call is not None else (b, "run", run)
+        if key not in groups:
+            path = v.meta.get("sac_region_path")
+            where = f"region {path[0]!r}" if path else "outside regions"
+            groups[key] = BudgetGroup(f"region_activation_memory_budget({b:g}): {where}", b, [])
+        groups[key].nodes.append(v)
+    out = list(groups.values())
+    if global_fraction is not None and rest:
+        out.append(BudgetGroup(
+            f"torch._functorch.config.activation_memory_budget={global_fraction:g} (torch's "
+            f"meaning: least + {global_fraction:g} x (unconstrained - least)): "
+            f"{'the values no region budget covers' if out else 'the whole graph'}",
+            global_fraction, rest))
     return out
 
 
-def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
+def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                               budget: float | int | None, solver: str | None = None
                               ) -> tuple[BudgetResult, list[str]]:
-    """Per-region budgets, as torch defines them: for the activations annotated ``b``, a
-    cap of ``least + b * (unconstrained - least)`` device bytes (0.0: as few as the region
-    can keep, 1.0: what the cut keeps without a budget); with ``budget``, the graph-wide cap
-    too. Solved by the exact program (any size, within its time limit). Returns the result
-    and one line per region budget for the report."""
+    """torch's budgets, as torch defines them: for the activations of each group, a cap of
+    ``least + b * (unconstrained - least)`` device bytes (0.0: as few as the group can keep,
+    1.0: what the cut keeps without a budget); with ``budget``, our graph-wide cap too.
+    Solved by the exact program (any size, within its time limit). Returns the result and
+    one line per group for the report."""
     from ..report import fmt_bytes
     from .exact import ExactProblem, objective, solve_exact
 
@@ -55,22 +107,22 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
     if budget is not None:
         cap_all = budget * base.nbytes if isinstance(budget, float) else float(budget)
 
-    def group_bytes(cut: Cut, members: set[int]) -> float:
-        """Device bytes ``cut`` keeps of ``members``, with their recomputes' RNG states."""
-        kept = sum(nbytes for v, nbytes in zip(cut.kept, net.device_bytes(cut.kept, cut.w))
-                   if idx[v] in members)
-        return kept + sum(net.recompute_bytes.get(i, 0.0) for i in cut.recomputed
-                          if i in members)
+    def group_bytes(kept: list[fx.Node], w: float, recomputed: frozenset[int] | set[int],
+                    members: set[int]) -> float:
+        """Device bytes kept of ``members``, with their recomputes' RNG states."""
+        total = sum(nbytes for v, nbytes in zip(kept, net.device_bytes(kept, w))
+                    if idx[v] in members)
+        return total + sum(net.recompute_bytes.get(i, 0.0) for i in recomputed
+                           if i in members)
 
-    group_caps, lines = [], []
+    group_caps, lines, capped = [], [], set()
     fits = cap_all is None or base.nbytes <= cap_all
     w_min = 1e-9
-    for b in sorted(set(regions.values())):
-        members = {idx[v] for v, bv in regions.items() if bv == b and v in idx
-                   and _is_activation(net, idx[v])}
+    for group in groups:
+        members = {idx[v] for v in group.nodes if v in idx and _is_activation(net, idx[v])}
         if not members:
             continue
-        most = group_bytes(base, members)
+        most = group_bytes(base.kept, base.w, base.recomputed, members)
         edges = []
         for u, v, c in net.capacities(w_min, TILT):
             i = u // 2
@@ -78,35 +130,51 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
                     and _is_activation(net, i):
                 c = c * w_min
             edges.append((u, v, c))
-        least = group_bytes(
-            _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min),
-            members)
-        cap = least + b * max(most - least, 0)
+        low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
+        least = group_bytes(low.kept, low.w, low.recomputed, members)
+        cap = least + group.fraction * max(most - least, 0)
         fits = fits and most <= cap
         group_caps.append((sorted(members), cap))
-        lines.append(f"region_activation_memory_budget({b:g}): {len(members)} values, cap "
-                     f"{fmt_bytes(cap)} (least {fmt_bytes(least)}, unconstrained "
-                     f"{fmt_bytes(most)})")
+        capped |= members
+        if not most:  # nothing to keep (values of the annotated code the backward needs not)
+            lines.append("")
+            continue
+        lines.append(f"{group.label}, {len(members)} values, cap {fmt_bytes(cap)} (least "
+                     f"{fmt_bytes(least)}, unconstrained {fmt_bytes(most)})")
     if fits:
         res = BudgetResult(base.kept, budget if budget is not None else 1.0,
                            cap_all if cap_all is not None else base.nbytes, base.nbytes,
                            base.nbytes, base.nbytes, 1.0, [], 1, time.perf_counter() - t0,
                            base.on_host, "unconstrained cut", base.cost, base.cost)
-        return res, lines
-    sol = solve_exact(problem, cap_all, time_limit=EXACT_TIME_LIMIT, group_caps=group_caps)
+        return res, _with_kept(
+            lines, group_caps, lambda m: group_bytes(base.kept, base.w, base.recomputed, m))
+    # Without our graph-wide cap, values under no cap keep their price (a byte each).
+    priced = [] if cap_all is not None else [
+        i for i in range(len(net.cls.nodes)) if i not in capped and _is_activation(net, i)]
+    sol = solve_exact(problem, cap_all, time_limit=EXACT_TIME_LIMIT, group_caps=group_caps,
+                      priced=priced)
     if sol is None:
         from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(
-            "sac_compile: the per-region activation memory budgets (torch.autograd.graph."
-            "region_activation_memory_budget) " + ("and memory_budget " if cap_all else "") +
+            "sac_compile: torch's activation memory budgets (torch.autograd.graph."
+            "region_activation_memory_budget, torch._functorch.config."
+            "activation_memory_budget) " + ("and memory_budget " if cap_all else "") +
             f"cannot be met together within {EXACT_TIME_LIMIT:g} s of the exact solver: "
-            + "; ".join(lines) + ". To fix: raise a region's budget, or drop the graph-wide "
+            + "; ".join(line for line in lines if line) + ". To fix: raise a region's budget, or drop the graph-wide "
             "memory_budget, or put a graph break between the regions")
     nodes = net.cls.nodes
     kept = [nodes[i] for i in sol.kept]
     have = set(kept)
     evicted = [v for v in base.kept if v not in have and _is_activation(net, idx[v])]
     lifted = [nodes[i] for i in sol.recomputed if i in net.lifted_under_budget]
+    on_host = set(sol.on_host)
+    recomputed = set(sol.recomputed)
+    kept_idx = [i for i in sol.kept if i not in on_host]
+
+    def sol_bytes(members: set[int]) -> float:
+        return sum(net.save_cost[i] for i in kept_idx if i in members) + \
+            sum(net.recompute_bytes.get(i, 0.0) for i in recomputed if i in members)
+
     res = BudgetResult(kept, budget if budget is not None else 1.0,
                        cap_all if cap_all is not None else base.nbytes, int(sol.device_bytes),
                        base.nbytes, 0, 1.0, evicted, 2 + len(group_caps),
@@ -114,4 +182,12 @@ def solve_with_region_budgets(net: FlowNetwork, regions: dict[fx.Node, float],
                        "exact program (MILP" + (", optimal)" if sol.optimal else
                                                 ", time limit)"),
                        sol.cost, sol.cost, lifted)
-    return res, lines
+    return res, _with_kept(lines, group_caps, sol_bytes)
+
+
+def _with_kept(lines: list[str], group_caps: list[tuple[list[int], float]],
+               kept_of: Callable[[set[int]], float]) -> list[str]:
+    """Each group's line, with the bytes the chosen cut keeps of it."""
+    from ..report import fmt_bytes
+    return [f"{line}; keeps {fmt_bytes(kept_of(set(members)))}"
+            for line, (members, _) in zip(lines, group_caps) if line]

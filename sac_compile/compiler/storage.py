@@ -41,8 +41,8 @@ SUMMARY_KEY = "sac_storage_summary"
 
 def code_files() -> list[str]:
     """Source files whose code shapes the graphs (for the partitioner's cache key)."""
-    from . import offload, save_hooks
-    return [__file__, offload.__file__, save_hooks.__file__]
+    from . import offload, save_hooks, stand_ins
+    return [__file__, offload.__file__, save_hooks.__file__, stand_ins.__file__]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,13 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
             items[s.name] = (dec, d)
         elif d.name in {n.name for n in fw.graph.nodes}:
             unkept.append(d)
-    summary: dict[str, Any] = {"unkept": [f"{d.name} ({_decision_label(d)})" for d in unkept]}
+    # What the split keeps on the device computed from a value it does not keep.
+    from .stand_ins import kept_in_place
+    on_device = {name for name in kept if name not in host and name not in items}
+    summary: dict[str, Any] = {"unkept": [
+        f"{d.name} ({_decision_label(d)})" for d in unkept],
+        "in_place": [f"{v.name} ({costs.op_label(v)}, {fmt_bytes(costs.nbytes(v))}, from "
+                     f"{d.name})" for d in unkept for v in kept_in_place(d, on_device)]}
     gm.meta[SUMMARY_KEY] = summary
     cut_offloads = [name for name in kept if name in host and name not in items]
     from .offload import TorchAPIMissing, refusal
@@ -375,7 +381,10 @@ def annotate_report(report: Any, gm: fx.GraphModule) -> None:
                             f"the device (see their reasons)")
     if summary.get("unkept"):
         names = summary["unkept"]
+        in_place = summary.get("in_place") or []
+        what = (f"values computed from them are kept on the device in their place, "
+                f"{len(in_place)}: {', '.join(in_place[:4])}{', ...' if len(in_place) > 4 else ''}"
+                ) if in_place else "nor is any value computed from them"
         report.notes.append(
-            f"{len(names)} values decided for offload/hooks are not kept for backward (the cut "
-            f"keeps none of them, nor a value in their place): "
-            f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}")
+            f"{len(names)} values decided for offload/hooks are not kept for backward "
+            f"({what}): {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}")
