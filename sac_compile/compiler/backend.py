@@ -2,10 +2,14 @@
 
 * ``compiler="inductor"``: Inductor's ``compile_fx`` with ``custom_partitioner_fn`` set, so
   all of Inductor's joint-graph passes (RNG seeding, pattern matching) run first.
-  ``torch.compile(..., mode=..., options={...})`` reach it as keyword arguments and mean
-  what they mean for ``backend="inductor"`` (torch's own mode table and option checks).
+  ``mode=``/``options=`` mean what they mean for ``backend="inductor"`` (torch's own mode
+  table and option checks), given to ``make_backend`` or to ``torch.compile`` (which
+  passes them on as keyword arguments); ``torch.compile``'s ``mode`` replaces the
+  backend's (torch passes no ``mode="default"`` on), its ``options`` are laid over the
+  backend's.
 * ``compiler="aot_eager"``: AOTAutograd with our partitioner and no code generation; like
-  torch's ``aot_eager`` it ignores ``mode``/``options`` (with torch's log warning).
+  torch's ``aot_eager`` it ignores ``torch.compile``'s ``mode``/``options`` (with torch's
+  log warning), and refuses them in ``make_backend``.
 
 Both give each of our regions in Dynamo's graph the ``cache_hash`` AOTAutograd's cache
 needs (:mod:`.cache_keys`), so a warm compile is a cache hit - unless an ``on_partition``
@@ -32,24 +36,39 @@ from .tagging import sac_partitioning
 __all__ = ["make_backend", "sac_backend"]
 
 
-def make_backend(*, compiler: str = "inductor", memory_budget: float | int | str | None = None,
+def make_backend(*, compiler: str = "inductor", mode: str | None = None,
+                 options: dict[str, Any] | None = None,
+                 memory_budget: float | int | str | None = None,
                  solver: str | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
                  **partitioner_options: Any) -> Callable[..., Any]:
-    """A backend for ``torch.compile(model, backend=...)``; see the module docstring."""
+    """A backend for ``torch.compile(model, backend=...)``; see the module docstring.
+    ``mode``/``options``: Inductor's, as ``torch.compile``'s (``compiler="inductor"``).
+    Other keywords are :class:`SACPartitioner`'s (``cost_model``, ``cse``,
+    ``delegate_untagged``, ``offload_options``)."""
+    _check_partitioner_options(partitioner_options)
     partitioner = SACPartitioner(solver=solver, memory_budget=memory_budget,
                                  on_partition=on_partition, **partitioner_options)
     if compiler == "inductor":
+        inductor_patches(partitioner, mode, options)  # torch's checks, now rather than later
+        default_mode, default_options = mode, dict(options or {})
+
         def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                          mode: str | None = None, options: dict[str, Any] | None = None) -> Any:
             from torch._inductor.compile_fx import compile_fx
-            patches = inductor_patches(partitioner, mode, options)
+            patches = inductor_patches(partitioner, default_mode if mode is None else mode,
+                                       {**default_options, **(options or {})} or None)
             _let_caches_serve(gm, partitioner)
             with sac_partitioning(), _closing_checkpoints_on_error():
                 return compile_fx(gm, example_inputs, config_patches=patches)
 
         backend = sac_inductor
     elif compiler == "aot_eager":
+        if mode is not None or options is not None:
+            raise ValueError(
+                f"make_backend(compiler='aot_eager', mode={mode!r}, options={options!r}): "
+                "aot_eager generates no code, so Inductor's mode and options would do "
+                "nothing; use make_backend(compiler='inductor', mode=..., options=...)")
         # torch's aot_eager compiler: boxed code that clears its argument list and frees
         # each value after its last use. (make_boxed_func(gm.forward) kept every saved
         # activation alive until the backward returned: +22% peak without checkpointing.)
@@ -66,6 +85,20 @@ def make_backend(*, compiler: str = "inductor", memory_budget: float | int | str
         raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {compiler!r}")
     backend.partitioner = partitioner  # type: ignore[attr-defined]
     return backend
+
+
+def _check_partitioner_options(given: dict[str, Any]) -> None:
+    """A keyword neither ``make_backend``'s nor the partitioner's: a ``TypeError`` that
+    names ``make_backend`` and lists what it takes (not ``SACPartitioner.__init__``)."""
+    import inspect
+    known = [n for n in inspect.signature(SACPartitioner.__init__).parameters
+             if n not in ("self", "solver", "memory_budget", "on_partition")]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(
+            f"make_backend() got unexpected keyword argument(s) {unknown}; it takes "
+            "compiler, mode, options (Inductor's, as torch.compile's), memory_budget, "
+            f"solver, on_partition and the partitioner's {', '.join(known)}")
 
 
 class _SACAotAutograd(AotAutograd):
