@@ -36,7 +36,7 @@ from typing import Any
 
 from .policy import CheckpointError, PolicyFn, PolicyLike, RegionFrame, normalize_policy
 
-__all__ = ["PerCall", "per_call", "fresh_frame", "policy_of_context_fn", "checkpoint_per_call",
+__all__ = ["PerCall", "per_call", "fresh_frame", "policy_of_context_fn",
            "build"]
 
 
@@ -146,22 +146,6 @@ def policy_of_context_fn(context_fn: Callable[[], Any], region: str) -> tuple[Po
         f"contexts(policy_fn_or_list) pair (or noop_context_fn's) can be read as a policy. "
         f"Pass the policy itself, checkpoint(fn, *args, policy=per_call(make_policy)), and "
         f"enter other contexts around the call")
-
-
-def checkpoint_per_call(fn: Callable[..., Any], args: tuple, kwargs: dict, make: Any,
-                        kind: str, name: str) -> Any:
-    """``sac_compile.checkpoint`` with a policy made per call: ``make`` is a ``context_fn``
-    (``kind="contexts"``: torch's form) or a policy factory (``kind="policy"``: the
-    factory of ``policy=per_call(factory)``)."""
-    import torch
-    if torch.compiler.is_compiling():
-        # Only functions travel into the traced call (a PerCall made in traced code is not
-        # a constant to Dynamo; its factory is).
-        from .compiler.per_call_regions import checkpoint_per_call as compiled
-        return compiled(fn, args, kwargs, make, kind, name)
-    from .region_run import run_region
-    policy, allow = build(make, kind, name)
-    return run_region(RegionFrame(name, policy), fn, args, kwargs, allow)
 
 
 def build(make: Any, kind: str, name: str) -> tuple[PolicyFn, bool]:

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import runtime
 from .module_regions import RegionConfig, module_class, wrap_module
-from .per_call import PerCall, checkpoint_per_call
+from .per_call import PerCall, build as build_per_call
+from .budgets import ModelBudget, RegionBudget, region_budget
 from .region_groups import frame_in_group
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
@@ -116,18 +117,21 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
     """
 
     def __init__(self, policy: PolicyLike = "recompute_all", *, name: str | None = None,
-                 allow_cache_entry_mutation: bool = False) -> None:
+                 allow_cache_entry_mutation: bool = False,
+                 memory_budget: float | int | str | RegionBudget | None = None) -> None:
         self.spec = policy
         self.policy = normalize_policy(policy)
         self.name = name
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self.budget = memory_budget if isinstance(memory_budget, RegionBudget) else \
+            region_budget(memory_budget)
         self._local = threading.local()  # this thread's stack of entered contexts
 
     def _frame(self, target: Any) -> RegionFrame:
         # Module regions share a graph across names (identical blocks); see region_groups.
         return frame_in_group(self.name or _region_name(target), self.policy,
                               self.allow_cache_entry_mutation,
-                              by_name=not isinstance(target, nn.Module))
+                              by_name=not isinstance(target, nn.Module), budget=self.budget)
 
     def __call__(self, target: T) -> T:
         _check_target(target)
@@ -161,7 +165,7 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
             raise CheckpointError(
                 f"`with sac_region(...)` is eager-only; under torch.compile decorate the "
                 f"function (or module) with @sac_region({self.policy!r}) instead")
-        frame = RegionFrame(self.name or "sac_region", self.policy)
+        frame = RegionFrame(self.name or "sac_region", self.policy, budget=self.budget)
         context = runtime.eager_region(frame, self.allow_cache_entry_mutation)
         context.__enter__()
         self._contexts().append(context)
@@ -182,7 +186,8 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
         return self.__copy__()
 
     def __reduce__(self) -> Any:
-        config = RegionConfig(self.spec, RegionFrame(self.name or "sac_region", self.policy),
+        config = RegionConfig(self.spec, RegionFrame(self.name or "sac_region", self.policy,
+                                                     budget=self.budget),
                               self.allow_cache_entry_mutation)
         return (_restore_sac_region, (config, self.name))
 
@@ -192,7 +197,8 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
 
 def _restore_sac_region(config: RegionConfig, name: str | None) -> sac_region:
     return sac_region(config.spec, name=name,
-                      allow_cache_entry_mutation=config.allow_cache_entry_mutation)
+                      allow_cache_entry_mutation=config.allow_cache_entry_mutation,
+                      memory_budget=config.frame.budget)
 
 
 _dynamo_kept_out = False
@@ -222,13 +228,17 @@ def _keep_dynamo_out() -> None:
 
 def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
                   where: type | tuple[type, ...] | Callable[[str, nn.Module], bool],
-                  allow_cache_entry_mutation: bool = False) -> nn.Module:
+                  allow_cache_entry_mutation: bool = False,
+                  memory_budget: float | int | str | None = None) -> nn.Module:
     """Make each submodule of ``model`` that ``where`` matches a region with ``policy``,
     named by its path in ``model`` (``model.layers.0``), so reports tell blocks apart.
 
     ``where`` is a module class (or a tuple of them), or a predicate ``(path, module)``.
     Only the outermost matches are wrapped: one region per block, not one per layer inside
-    it. Returns ``model`` (its submodules are wrapped in place, as ``sac_region`` does)."""
+    it. ``memory_budget``: bytes (an int >= 2 or a string such as ``"2GiB"``) are one budget
+    for all the regions together (a price per byte found over all of them, see
+    :mod:`sac_compile.budgets`); a fraction in (0, 1] is each region's own. Returns
+    ``model`` (its submodules are wrapped in place, as ``sac_region`` does)."""
     if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(c, type)
                                                                       for c in where)):
         classes = where
@@ -238,22 +248,27 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
     else:
         raise TypeError(f"apply_regions(where=...) takes a module class, a tuple of classes or "
                         f"a predicate (path, module) -> bool, got {where!r}")
-    wrapped: list[str] = []
+    found: list[tuple[str, nn.Module]] = []
     for path, module in list(model.named_modules()):
-        if any(path == w or path.startswith(w + ".") for w in wrapped if w):
-            continue  # inside a block already wrapped
+        if any(path == w or path.startswith(w + ".") for w, _ in found if w):
+            continue  # inside a block already matched
         if not matches(path, module):
             continue
-        region = sac_region(policy, name=path or _region_name(module),
-                            allow_cache_entry_mutation=allow_cache_entry_mutation)
-        region(module)
-        wrapped.append(path)
+        found.append((path, module))
         if not path:
             break  # the model itself: everything is inside it
-    if not wrapped:
+    if not found:
         raise ValueError(f"apply_regions: no submodule of {type(model).__name__} matches "
                          f"where={where!r}; pass the block class (e.g. type(model.layers[0])) "
                          f"or a predicate")
+    budget = region_budget(memory_budget)
+    names = [path or _region_name(module) for path, module in found]
+    shared = ModelBudget(budget.value, tuple(names)) \
+        if budget is not None and not isinstance(budget.value, float) else None
+    for (path, module), region_name in zip(found, names):
+        own = RegionBudget(budget.value, shared) if budget is not None else None
+        sac_region(policy, name=region_name, allow_cache_entry_mutation=allow_cache_entry_mutation,
+                   memory_budget=own)(module)
     return model
 
 
@@ -303,7 +318,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyLike = _NOT_GIV
     if policy is _FROM_CONTEXT_FN or isinstance(policy, PerCall):  # a policy per call
         make, kind = (context_fn, "contexts") if policy is _FROM_CONTEXT_FN else \
             (policy.factory, "policy")
-        return checkpoint_per_call(fn, args, kwargs, make, kind, name)
+        return _checkpoint_per_call(fn, args, kwargs, make, kind, name)
     if torch.compiler.is_compiling():  # the policy is normalised where AOTAutograd traces
         from .compiler import regions_compiled
         return regions_compiled.checkpoint(fn, args, kwargs, policy, name, allow)
@@ -367,6 +382,20 @@ def _policy_of_context_fn(context_fn: Any) -> tuple[Any, bool]:
 
 
 _FROM_CONTEXT_FN: Any = object()  # the policy comes from calling context_fn, once per call
+
+
+def _checkpoint_per_call(fn: Callable[..., Any], args: tuple, kwargs: dict, make: Any,
+                         kind: str, name: str) -> Any:
+    """``checkpoint`` with a policy made per call: ``make`` is a ``context_fn``
+    (``kind="contexts"``: torch's form) or a policy factory (``kind="policy"``: the
+    factory of ``policy=per_call(factory)``)."""
+    if torch.compiler.is_compiling():
+        # Only functions travel into the traced call (a PerCall made in traced code is not
+        # a constant to Dynamo; its factory is).
+        from .compiler.per_call_regions import checkpoint_per_call as compiled
+        return compiled(fn, args, kwargs, make, kind, name)
+    policy, allow = build_per_call(make, kind, name)
+    return run_region(RegionFrame(name, policy), fn, args, kwargs, allow)
 
 
 # --------------------------------------------------------------------------------------
