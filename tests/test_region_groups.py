@@ -98,8 +98,8 @@ def _signature(report):
 
 def test_policies_differing_by_a_closure_value_get_splits_of_their_own():
     model = Stack(2)
-    sc.sac_region(_factory(True), name="layers.0")(model.layers[0])
-    sc.sac_region(_factory(False), name="layers.1")(model.layers[1])
+    sc.sac_region(_factory(True))(model.layers[0])      # both named "Block": only the
+    sc.sac_region(_factory(False))(model.layers[1])     # closure value tells them apart
     reports = []
     _compile_per_block(model, reports)
     _grads(model, torch.randn(4, 16))
