@@ -230,12 +230,17 @@ def _allow_recompiles() -> None:
     config = torch._dynamo.config
     attr = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     limit = getattr(config, attr)
-    needed = len(_GROUPS) + 1
+    live = sum(1 for group in _GROUPS.values() if group.slots)
+    needed = live + 1
     if needed > limit:
         setattr(config, attr, needed)
+        total = "accumulated_recompile_limit" if hasattr(config, "accumulated_recompile_limit") \
+            else "accumulated_cache_size_limit"
+        if hasattr(config, total) and getattr(config, total) < needed:
+            setattr(config, total, needed)
         if not _RAISED[0]:
             _RAISED[0] = True
             log.warning("sac_compile: %d groups of regions cannot share one compiled graph "
                         "(their policies differ, read the region's name or have no stable "
                         "identity); torch._dynamo.config.%s raised from %d to fit them (said "
-                        "once)", len(_GROUPS), attr, limit)
+                        "once)", live, attr, limit)
