@@ -232,11 +232,25 @@ class TorchSAC:
 def wrap_blocks(model: nn.Module, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]
                 ) -> Callable[[], None]:
     """Replace ``model.blocks[i].forward`` by ``wrap(i, forward)``; returns a function that
-    puts the original forwards back. The module objects themselves are not replaced."""
-    originals = []
-    for i, block in enumerate(model.blocks):
-        originals.append((block, vars(block).get("forward", _MISSING)))
-        block.forward = wrap(i, block.forward)
+    puts the original forwards back. The module objects themselves are not replaced. A
+    block that is not a module (a function, a ``functools.partial``, a builtin such as
+    ``torch.tanh``) has no forward to swap: its entry in ``model.blocks`` (a list or a
+    tuple) becomes ``wrap(i, block)`` instead, put back by the undo as well."""
+    originals, blocks = [], model.blocks
+    before = list(blocks)
+    swapped = list(before)
+    for i, block in enumerate(before):
+        if isinstance(block, nn.Module):
+            originals.append((block, vars(block).get("forward", _MISSING)))
+            block.forward = wrap(i, block.forward)
+        else:
+            swapped[i] = wrap(i, block)
+    loose = any(not isinstance(b, nn.Module) for b in before)
+    if loose:
+        if isinstance(blocks, list):
+            blocks[:] = swapped
+        else:
+            model.blocks = type(blocks)(swapped)
 
     def undo() -> None:
         for block, previous in originals:
@@ -244,6 +258,11 @@ def wrap_blocks(model: nn.Module, wrap: Callable[[int, Callable[..., Any]], Call
                 del block.forward
             else:
                 block.forward = previous
+        if loose:
+            if isinstance(blocks, list):
+                blocks[:] = before
+            else:
+                model.blocks = blocks
     return undo
 
 

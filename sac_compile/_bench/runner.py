@@ -44,7 +44,6 @@ from __future__ import annotations
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import logging
@@ -62,8 +61,8 @@ from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_
                       wrapped_blocks)
 from .models import clear_grads, grads_of, max_grad_diff
 from .partition_figures import OnPartition, PartitionFigures, upstream_backend
-from .strategies import (as_blocked_model, full_ac, loss_of, measure_ours, ours,
-                         torch_sac)
+from .strategies import (as_blocked_model, copy_model, full_ac, loss_of, measure_ours,
+                         ours, torch_sac)
 
 log = logging.getLogger("sac_compile.report")
 
@@ -177,7 +176,7 @@ class _Runner:
 
     # -- helpers ---------------------------------------------------------------------------
     def _copy(self) -> nn.Module:
-        return copy.deepcopy(self.template)
+        return copy_model(self.template)
 
     def _step_fn(self, model: Callable[..., Any], grads_model: nn.Module,
                  ctx: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:

@@ -7,7 +7,9 @@ region ``blocks.{i}``. A model without ``.blocks`` (or a plain function) is one 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +23,8 @@ from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_stora
                       wrapped_blocks)
 from .models import clear_grads, grads_of, loss_fn
 
-__all__ = ["UnusableModel", "as_blocked_model", "loss_of", "full_ac", "torch_sac", "ours",
-           "ours_blocks", "measure_ours"]
+__all__ = ["UnusableModel", "as_blocked_model", "copy_model", "loss_of", "full_ac", "torch_sac",
+           "ours", "ours_blocks", "measure_ours"]
 
 
 class UnusableModel(ValueError):
@@ -57,6 +59,40 @@ def as_blocked_model(fn: Any) -> nn.Module:
                                                                                tuple)):
         return fn
     return _WholeModel(fn)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, where blocks that are functions closing over the model
+    (``self.blocks = [lambda x: f(x, self.w)]``) compute with the copy's parameters too:
+    deepcopy keeps a function as it is, so the copy's block would read the original's.
+    Their closure cells are copied with the model's memo. (Bound methods, ``partial``s and
+    modules are copied by deepcopy itself.)"""
+    memo: dict[int, Any] = {}
+    new = copy.deepcopy(model, memo)
+    blocks = getattr(new, "blocks", None)
+    if not isinstance(blocks, (list, tuple)):
+        return new
+    copied = [_copy_closure(b, memo) if isinstance(b, types.FunctionType) and b.__closure__
+              else b for b in blocks]
+    if isinstance(blocks, list):
+        blocks[:] = copied
+    else:
+        new.blocks = type(blocks)(copied)
+    return new
+
+
+def _copy_closure(fn: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
+    cells = []
+    for cell in fn.__closure__:
+        try:
+            cells.append(types.CellType(copy.deepcopy(cell.cell_contents, memo)))
+        except ValueError:  # an empty cell (a name bound later in the enclosing function)
+            cells.append(types.CellType())
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                             tuple(cells))
+    out.__kwdefaults__, out.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    out.__dict__.update(fn.__dict__)
+    return out
 
 
 def loss_of(out: Any) -> torch.Tensor:

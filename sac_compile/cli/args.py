@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a fixture ({', '.join(FIXTURES)}; default {DEFAULT_MODEL}); a Hugging Face causal "
              f"LM from a small config, no download ({', '.join('hf:' + m for m in HF_MODELS)}; "
              f"needs {HF_INSTALL}); or MODULE:FUNCTION / PATH.py:FUNCTION, a function "
-             f"returning (model, example_inputs). A model with a `.blocks` list is "
-             f"checkpointed per block, an HF model (a PreTrainedModel) per decoder layer with "
-             f"HF's loss on labels=input_ids, anything else as a whole")
+             f"returning (model, example_inputs). A model with a `.blocks` list (modules or "
+             f"functions) is checkpointed per block, an HF model (a PreTrainedModel) per "
+             f"decoder layer with HF's loss on labels=input_ids, anything else as a whole")
     rep.add_argument(
         "--budget", default="0.5", metavar="X",
         help="memory budget of the 'ours budget' row: a fraction in (0, 1] of the activation "

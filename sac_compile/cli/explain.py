@@ -8,7 +8,6 @@ in a region with that policy. Fixtures get ``--policy save_matmuls`` by default.
 """
 from __future__ import annotations
 
-import copy
 import re
 from collections import Counter
 from typing import Any
@@ -67,14 +66,14 @@ def run_explain(args: Any) -> int:
     target = load_target(args.target, size=args.size, seed=args.seed, device=device,
                          flag="explain TARGET")
     policy_name = args.policy or ("save_matmuls" if target.is_fixture else None)
-    fn = target.fn
+    from .._bench.strategies import copy_model
+    eager_fn = target.fn
+    compiled_fn = copy_model(eager_fn) if isinstance(eager_fn, torch.nn.Module) else eager_fn
     if policy_name is not None:
         label, policy = resolve_policy(policy_name)
-        fn = _with_policy(fn, policy)
+        eager_fn, compiled_fn = _with_policy(eager_fn, policy), _with_policy(compiled_fn, policy)
         where = "every block" if hasattr(target.fn, "blocks") else "the whole function"
         print(f"{target.label}: {where} in sac_region({label!r})")
-    eager_fn = fn
-    compiled_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
 
     def inputs() -> tuple:
         return tuple(t.detach().clone().requires_grad_(t.requires_grad)
