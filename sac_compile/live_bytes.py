@@ -38,6 +38,10 @@ __all__ = ["LiveBytes"]
 class LiveBytes(TorchDispatchMode):
     """See the module docstring."""
 
+    # Higher-order ops (RNG functionalisation's run_and_save_rng_state) come here too; they
+    # run as a whole (the mode is off inside its own dispatch) and their outputs count.
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True

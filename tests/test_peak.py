@@ -125,3 +125,64 @@ class TestPeakSnapshot(expecttest.TestCase):
         peak = sc.explain(f, x, w, mode="compile").peak
         self.assertExpectedInline(peak.line(), """peak 2.0 KiB in backward after relu (aten.relu.default) (forward 2 KiB, backward 2.0 KiB): recomputed 2 KiB (R 2 KiB); backward 4 B""")
         assert (peak.forward, peak.backward) == (2048, 2052)
+
+
+def test_report_lists_what_the_final_backward_recomputes():
+    """A recomputed op that reorder_like_autograd erases (dead: no backward op needs it, as
+    a dead wait_tensor chain kept by dead-code elimination for being impure) is not
+    reported as recomputed: the list is read off the final graphs."""
+    import torch.fx as fx
+
+    from sac_compile.compiler.final_graphs import recomputed_names
+    from sac_compile.compiler.order import reorder_like_autograd
+
+    aten = torch.ops.aten
+    fw_graph = fx.Graph()
+    x = fw_graph.placeholder("primals_1")
+    sin = fw_graph.call_function(aten.sin.default, (x,))
+    cos = fw_graph.call_function(aten.cos.default, (x,))
+    fw_graph.output((fw_graph.call_function(aten.add.Tensor, (sin, cos)),))
+    bw_graph = fx.Graph()
+    x = bw_graph.placeholder("primals_1")
+    tangent = bw_graph.placeholder("tangents_1")
+    bw_sin = bw_graph.call_function(aten.sin.default, (x,))
+    bw_graph.call_function(aten.cos.default, (x,))  # dead
+    bw_graph.output((bw_graph.call_function(aten.mul.Tensor, (tangent, bw_sin)),))
+    fw, bw = fx.GraphModule({}, fw_graph), fx.GraphModule({}, bw_graph)
+    assert recomputed_names(fw, bw) == ["sin_default", "cos_default"]  # before the reorder
+    reorder_like_autograd(bw)
+    assert recomputed_names(fw, bw) == ["sin_default"]
+
+
+def test_recomputed_random_ops_are_reported_after_rng_functionalisation():
+    """A recomputed dropout is replayed by run_with_rng_state (a node of another name):
+    still reported, once, with the FLOPs of the ops the backward runs."""
+    @sc.sac_region("recompute_all", name="D")
+    def f(x, w):
+        return torch.nn.functional.dropout(x @ w, 0.5).sum()
+
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(128, 256, requires_grad=True)
+    report = sc.explain(f, x, w, mode="compile")
+    assert report.recomputed_ops["aten.native_dropout.default"] == 1
+    assert report.recomputed_ops["aten.mm.default"] == 1
+    assert report.recompute_flops == 2 * 64 * 128 * 256
+    # the replayed dropout's output and mask count in the peak, as recomputed values
+    assert report.peak.by_kind()["recomputed"] == 64 * 256 * (4 + 4 + 1)
+
+
+def test_peak_model_with_a_replayed_random_op_equals_run_time():
+    """torch's RNG functionalisation adds nodes without values (run_and_save_rng_state,
+    run_with_rng_state): the model still counts their outputs where they are made."""
+    @sc.sac_region("recompute_all", name="D")
+    def f(x, w):
+        return torch.nn.functional.dropout(x @ w, 0.5).sum()
+
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(128, 256, requires_grad=True)
+    reports: list[PartitionReport] = []
+    g = torch.compile(f, backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+    step_peak(g, [], [x, w])
+    meter, _ = step_peak(g, [], [x, w])
+    assert reports[-1].peak.forward == meter.peak("forward")
+    assert abs(reports[-1].peak.backward - meter.peak("backward")) <= 16

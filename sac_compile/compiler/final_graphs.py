@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from . import costs
 
-__all__ = ["recomputed_names", "rng_replays"]
+__all__ = ["recomputed_names", "rng_replays", "replayed_values"]
 
 
 def _run_with_rng_state() -> object:
@@ -51,4 +51,19 @@ def recomputed_names(fw: fx.GraphModule, bw: fx.GraphModule,
             name = replays.get(_key(n.args[1], tuple(n.args[2:])))
             if name is not None:
                 out.append(name)
+    return out
+
+
+def replayed_values(bw: fx.GraphModule, replays: dict[tuple, str],
+                    joint: dict[str, fx.Node]) -> dict[str, object]:
+    """The value (``meta["val"]`` of the joint op) of each ``run_with_rng_state`` node of
+    the final backward, by its name: torch makes those nodes without one, and the peak
+    model needs their bytes."""
+    replay_target = _run_with_rng_state()
+    out: dict[str, object] = {}
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n.target is replay_target and len(n.args) >= 2:
+            name = replays.get(_key(n.args[1], tuple(n.args[2:])))
+            if name is not None and name in joint:
+                out[n.name] = joint[name].meta.get("val")
     return out

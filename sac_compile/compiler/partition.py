@@ -32,10 +32,10 @@ from .budget import budget_label, check_budget, solve_with_budget
 from .network import CostModel, build_flow_network, classify
 from .region_budgets import (region_budget_annotations, solve_with_region_budgets,
                              torch_global_budget)
-from .final_graphs import recomputed_names, rng_replays
+from .final_graphs import recomputed_names, replayed_values, rng_replays
 from .normalize import normalize_tags
 from .order import raise_getitems_in_place, reorder_like_autograd
-from .peak import estimate_peak
+from .peak import REPLAYED_VALS, estimate_peak
 from .reasons import Reason, ReasonKind
 from .roles import Role, node_role, static_inputs
 from .solvers import default_solver, solve
@@ -304,6 +304,7 @@ class SACPartitioner(CustomPartitionerFn):
         reorder_like_autograd(bw)  # (erases what no backward op needs)
         raise_getitems_in_place(fw)
         lap("reorder")
+        bw.meta[REPLAYED_VALS] = replayed_values(bw, replays, joint)  # for the peak model
         # The report describes the backward that runs: read off the final graphs.
         return fw, bw, saved_names, recomputed_names(fw, bw, replays)
 
@@ -334,6 +335,7 @@ class SACPartitioner(CustomPartitionerFn):
         report.recomputed_regions = [_region(joint[name]) for name in recomputed]
         report.recompute_flops = sum(costs.flops(joint[name]) for name in recomputed)
         report.peak = estimate_peak(fw, bw, gm)
+        bw.meta.pop(REPLAYED_VALS, None)
         report.timings = timings
         for mod in (fw, bw):
             for n in mod.graph.nodes:

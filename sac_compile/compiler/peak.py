@@ -37,8 +37,11 @@ from ..report import MemoryPeak
 from . import costs
 from .roles import Role, node_role
 
-__all__ = ["estimate_peak", "cut_peak", "storage_base"]
+__all__ = ["estimate_peak", "cut_peak", "storage_base", "REPLAYED_VALS"]
 
+#: ``bw.meta[REPLAYED_VALS]``: the values of the backward's replayed random ops by node name
+#: (torch's RNG functionalisation makes their ``run_with_rng_state`` nodes without one).
+REPLAYED_VALS = "sac_replayed_vals"
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
 
@@ -95,8 +98,10 @@ class _Walk:
     nodes whose values outlive the sequence."""
 
     def __init__(self, seq: list[fx.Node], *, given: Iterable[fx.Node] = (),
-                 outputs: Iterable[fx.Node] = ()) -> None:
+                 outputs: Iterable[fx.Node] = (), vals: dict[str, Any] | None = None) -> None:
         self.nodes = list(seq)
+        self.vals = vals or {}  # values of nodes that carry none, by name
+        self.made_by_producer: dict[fx.Node, list[Key | None]] = {}
         given = set(given)
         self.given_names = {g.name for g in given}
         self.keys: dict[fx.Node, list[Key | None]] = {}
@@ -106,7 +111,7 @@ class _Walk:
         self.last: dict[Key, int] = {}
         self.maker: dict[Key, fx.Node] = {}
         for g in sorted(given, key=lambda n: n.name):  # alive before the first node
-            self.keys[g] = self._make(g, -1) if _tensors(g.meta.get("val")) else []
+            self.keys[g] = self._make(g, -1)
         end = len(self.nodes)
         for pos, n in enumerate(self.nodes):
             if n.op == "output":
@@ -128,7 +133,8 @@ class _Walk:
 
     def _make(self, n: fx.Node, pos: int) -> list[Key | None]:
         out: list[Key | None] = []
-        for i, t in enumerate(_tensors(n.meta.get("val"))):
+        val = n.meta["val"] if "val" in n.meta else self.vals.get(n.name)
+        for i, t in enumerate(_tensors(val)):
             if not isinstance(t, torch.Tensor):
                 out.append(None)
                 continue
@@ -145,6 +151,16 @@ class _Walk:
         src = _alias_source(n)
         if src is not None:
             return list(self.keys.get(src, ()))
+        if n in self.made_by_producer:
+            return self.made_by_producer[n]
+        if "val" not in n.meta and n.name not in self.vals and n.op == "call_function":
+            # No value (torch's RNG functionalisation makes its run_and_save_rng_state
+            # nodes without one): its outputs, the values of the getitems that read them,
+            # exist from this node on.
+            for u in n.users:
+                if u.target is operator.getitem:
+                    self.made_by_producer[u] = self._make(u, pos)
+            return []
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             base = self.keys.get(n.args[0], [])
             i = n.args[1]
@@ -220,7 +236,8 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     whose nodes give names their regions); see the module docstring."""
     by_name = {n.name: n for n in joint.graph.nodes}
     fw_walk = _Walk(list(fw.graph.nodes), given=fw.graph.find_nodes(op="placeholder"))
-    bw_walk = _Walk(list(bw.graph.nodes), given=bw.graph.find_nodes(op="placeholder"))
+    bw_walk = _Walk(list(bw.graph.nodes), given=bw.graph.find_nodes(op="placeholder"),
+                    vals=bw.meta.get(REPLAYED_VALS))
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: by_name.get(n.name))
     fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
     bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)
@@ -235,7 +252,7 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
             if j is not None and node_role(j) is Role.TANGENT:
                 return "backward", ""
             return "kept", _region(storage_base(j) if j is not None else None)
-        if node.name in fw_names:
+        if node.name in fw_names or node.name in walk.vals:  # (or a replayed random op)
             return "recomputed", _region(j)
         return "backward", ""
 
