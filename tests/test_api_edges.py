@@ -125,3 +125,62 @@ def test_report_on_a_model_whose_blocks_are_functions(tmp_path, capsys):
     # the regions are there: full AC and ours recompute the blocks' ops
     assert rows["full_ac"]["recomputed_ops"] > 0 and rows["ours_eager"]["recomputed_ops"] > 0
     assert rows["full_ac"]["kept_bytes"] < rows["no_ac"]["kept_bytes"]
+
+
+# -- 3. checkpoint(fn, ..., fn_kwargs=...): fn's own policy= ---------------------------------
+
+def _scaled(x, w, *, policy="fast", debug=False, early_stop=True, alpha=1.0):
+    """A user function with keywords named like checkpoint's own."""
+    return torch.tanh(x @ w) * (2.0 if policy == "fast" else 1.0) + (1.0 if debug else 0.0)
+
+
+def _asking_policy(asked):
+    def policy(ctx, op, *args, **kwargs):
+        asked.append((ctx.region, str(op)))
+        return policies.save_matmuls(ctx, op, *args, **kwargs)
+    return policy
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "sac_aot_eager"])
+def test_fn_kwargs_reach_fn_whatever_their_names(compiled):
+    """``policy=`` is the region's; ``fn_kwargs`` carries fn's own keywords, also those named
+    like checkpoint's (torch's checkpoint cannot pass those either)."""
+    asked = []
+    policy = _asking_policy(asked)   # made outside compiled code: its list is this one
+
+    def step(x, w):
+        return sc.checkpoint(_scaled, x, w, policy=policy,
+                             fn_kwargs={"policy": "slow", "debug": True})
+
+    x, w = _inputs()
+    run = torch.compile(step, backend="sac_aot_eager", fullgraph=True) if compiled else step
+    with torch._functorch.config.patch(enable_autograd_cache=False):  # a hit asks no policy
+        out = run(x, w)
+    out.sum().backward()
+    torch.testing.assert_close(out, torch.tanh(x @ w) + 1.0)    # fn saw "slow" and True
+    assert {region for region, _ in asked} == {"_scaled"}         # the region's policy decided
+    assert any("mm" in op for _, op in asked) and x.grad is not None
+
+
+def test_a_compiled_region_passes_keywords_named_like_torchs_checkpoint_to_its_function():
+    """Under compile a region runs through torch's checkpoint, which took ``debug=True``
+    for itself (and failed: "debug=True is incompatible with non-default context_fn")."""
+    region = sc.sac_region(policies.save_matmuls, name="Scaled")(_scaled)
+    x, w = _inputs()
+    out = torch.compile(region, backend="sac_aot_eager", fullgraph=True)(
+        x, w, policy="slow", debug=True, early_stop=False)
+    torch.testing.assert_close(out, torch.tanh(x @ w) + 1.0)
+
+
+def test_fn_kwargs_conflicts_and_a_policy_meant_for_fn_say_what_to_do():
+    x, w = _inputs()
+    with pytest.raises(TypeError, match=r"\['alpha'\] both as keywords and in fn_kwargs"):
+        sc.checkpoint(_scaled, x, w, alpha=1.0, fn_kwargs={"alpha": 2.0, "policy": "slow"})
+    # a value meant for fn's policy=: the error names fn and fn_kwargs
+    with pytest.raises(TypeError, match=r"unknown policy name 'slow'.*_scaled takes its own "
+                                        r"policy= keyword.*fn_kwargs=\{'policy': \.\.\.\}"):
+        sc.checkpoint(_scaled, x, w, policy="slow")
+    # a function without a policy= keyword: torch's message alone
+    with pytest.raises(TypeError) as info:
+        sc.checkpoint(torch.mm, x, w, policy="slow")
+    assert "fn_kwargs" not in str(info.value)

@@ -19,7 +19,7 @@ import torch
 
 from ..per_call import build
 from ..policy import CheckpointError, RegionFrame
-from .regions_compiled import note_eager_fallback
+from .regions_compiled import note_eager_fallback, torch_checkpoint
 from .tagging import frame_contexts, reraise_compiled, take_eager_entry
 
 __all__ = ["checkpoint_per_call", "per_call_contexts"]
@@ -29,8 +29,7 @@ def checkpoint_per_call(fn: Callable[..., Any], args: tuple, kwargs: dict, make:
                         kind: str, name: str) -> Any:
     contexts = functools.partial(per_call_contexts, name, make, kind)
     body = functools.partial(_body, name, make, kind, fn)
-    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
-                                             context_fn=contexts, **kwargs)
+    return torch_checkpoint(body, args, kwargs, contexts)
 
 
 def per_call_contexts(name: str, make: Any, kind: str) -> Any:

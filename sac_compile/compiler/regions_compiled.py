@@ -37,7 +37,7 @@ from .markers import encode_opinion, name_op, tag_op
 from ..region_groups import group_of_token, name_in_graph
 from .tagging import region_contexts, take_eager_entry
 
-__all__ = ["run_region", "checkpoint", "tag", "name", "note_eager_fallback",
+__all__ = ["run_region", "checkpoint", "torch_checkpoint", "tag", "name", "note_eager_fallback",
            "torch_sac_contexts", "context_fn_kind", "close_checkpoints_left_open",
            "hooks_fall_back_to_eager"]
 
@@ -58,8 +58,7 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
     context_fn = functools.partial(region_contexts, token)
     body = functools.partial(_region_body, token, fn)
     try:
-        return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
-                                                 context_fn=context_fn, **kwargs)
+        return torch_checkpoint(body, args, kwargs, context_fn)
     except BaseException as e:  # reached when the call runs as Python (a graph break)
         close_checkpoints_left_open(e)
         raise
@@ -219,6 +218,24 @@ def checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any,
     as in eager mode."""
     context_fn = functools.partial(policy_contexts, name, policy)
     body = functools.partial(_checkpoint_body, name, policy, allow_cache_entry_mutation, fn)
+    return torch_checkpoint(body, args, kwargs, context_fn)
+
+
+# torch's checkpoint takes these keywords itself: the function's own go into its partial
+_TORCH_CHECKPOINT_KEYWORDS = frozenset(("function", "use_reentrant", "context_fn",
+                                        "determinism_check", "debug", "early_stop",
+                                        "preserve_rng_state"))
+
+
+def torch_checkpoint(body: Callable[..., Any], args: tuple, kwargs: dict,
+                     context_fn: Callable[[], Any]) -> Any:
+    """``torch.utils.checkpoint.checkpoint(body, *args, **kwargs)`` with our contexts, where
+    keywords of the region's function named like torch's own (``debug=``, ...) reach the
+    function instead of torch's checkpoint."""
+    if any(k in _TORCH_CHECKPOINT_KEYWORDS for k in kwargs):
+        body = functools.partial(body, **{k: v for k, v in kwargs.items()
+                                          if k in _TORCH_CHECKPOINT_KEYWORDS})
+        kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_CHECKPOINT_KEYWORDS}
     return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False,
                                              context_fn=context_fn, **kwargs)
 
