@@ -86,19 +86,22 @@ class RegionConfig:
                 f"with its region's policy; make it picklable: a module-level function (not a "
                 f"lambda or a local function), functools.partial of one, a list of ops, or a "
                 f"preset name such as 'save_matmuls'") from e
-        return (_restore_config, (spec, self.frame.name, self.allow_cache_entry_mutation))
+        return (_restore_config, (spec, self.frame.name, self.allow_cache_entry_mutation,
+                                  self.frame.budget))
 
     def __repr__(self) -> str:
         return (f"RegionConfig({self.frame.name!r}, policy={self.frame.policy!r}, "
                 f"allow_cache_entry_mutation={self.allow_cache_entry_mutation})")
 
 
-def _make_config(policy: PolicyLike, name: str, allow: bool) -> RegionConfig:
-    return RegionConfig(policy, frame_in_group(name, normalize_policy(policy), allow), allow)
+def _make_config(policy: PolicyLike, name: str, allow: bool, budget: Any = None
+                 ) -> RegionConfig:
+    return RegionConfig(policy, frame_in_group(name, normalize_policy(policy), allow,
+                                               budget=budget), allow)
 
 
-def _restore_config(spec: Any, name: str, allow: bool) -> RegionConfig:
-    return _make_config(_resolve_policy(spec), name, allow)
+def _restore_config(spec: Any, name: str, allow: bool, budget: Any = None) -> RegionConfig:
+    return _make_config(_resolve_policy(spec), name, allow, budget)
 
 
 class _OpRef:

@@ -115,6 +115,8 @@ class RegionFrame:
     name: str
     policy: PolicyFn
     slot: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # The region's memory budget (a :class:`sac_compile.budgets.RegionBudget`), or None.
+    budget: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .budgets import budget_key
 from .policy import RegionFrame
 from .policy_identity import policy_identity
 
@@ -55,11 +56,13 @@ class RegionGroup:
     """Regions that share one compiled graph: ``token`` (what Dynamo guards), the policy,
     the name the policy is asked under, whether the name may matter, and the members."""
 
-    __slots__ = ("token", "policy", "first_name", "allow", "by_name", "_slots", "why_no_key")
+    __slots__ = ("token", "policy", "first_name", "allow", "by_name", "_slots", "why_no_key",
+                 "budget")
 
     def __init__(self, token: str, policy: Any, name: str, allow: bool, by_name: bool,
-                 why_no_key: str | None) -> None:
+                 why_no_key: str | None, budget: Any = None) -> None:
         self.token = token
+        self.budget = budget  # the members' memory budget (sac_compile.budgets), or None
         self.policy = policy
         self.first_name = name
         self.allow = allow
@@ -123,33 +126,37 @@ def _identity_text(policy: Any) -> tuple[str, str | None, bool]:
     return text, identity.why_not, identity.reads_region or text in _NAME_SPLIT
 
 
-def _token(identity_text: str, allow: bool, name: str | None) -> str:
+def _token(identity_text: str, allow: bool, name: str | None, budget: Any = None) -> str:
     text = f"{identity_text}|allow={allow}|name={name!r}"
+    if budget is not None:  # two regions with different budgets never share a split
+        text += f"|budget={budget_key(budget)}"
     return "sac:" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False) -> None:
+def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False,
+          budget: Any = None) -> None:
     identity_text, why_not, reads_name = _identity_text(policy)
     by_name = by_name or reads_name
-    token = _token(identity_text, allow, slot.name if by_name else None)
+    token = _token(identity_text, allow, slot.name if by_name else None, budget)
     with _LOCK:
         group = _GROUPS.get(token)
         if group is None:
             group = _GROUPS[token] = RegionGroup(token, policy, slot.name, allow, by_name,
-                                                 why_not)
+                                                 why_not, budget)
             _allow_recompiles()
         group.add(slot)
         slot.token = token
 
 
 def frame_in_group(name: str, policy: Any, allow: bool = False, *,
-                   by_name: bool = False) -> RegionFrame:
+                   by_name: bool = False, budget: Any = None) -> RegionFrame:
     """The frame of a new region ``name`` with (normalised) ``policy``, its slot in the
-    group of earlier regions with the same identity, or in a new one (``by_name``: only
-    with regions of the same name)."""
+    group of earlier regions with the same identity and memory ``budget`` (a
+    :class:`~sac_compile.budgets.RegionBudget`: part of the key), or in a new one
+    (``by_name``: only with regions of the same name)."""
     slot = RegionSlot("", name)
-    _join(slot, policy, allow, by_name)
-    return RegionFrame(name, policy, slot)
+    _join(slot, policy, allow, by_name, budget)
+    return RegionFrame(name, policy, slot, budget)
 
 
 _NAMES_BY_MODULE: dict[int, list[str]] = {}  # nested regions: several per module
@@ -214,7 +221,7 @@ def split_by_name(group: RegionGroup) -> None:
             if slot.name == keep:
                 group.add(slot)
             else:
-                _join(slot, group.policy, group.allow)
+                _join(slot, group.policy, group.allow, budget=group.budget)
     log.warning("sac_compile: the policy %r read ctx.region while deciding, which its code "
                 "did not show; its regions (%s) now compile one graph per name (said once "
                 "per policy)", group.policy,

@@ -217,7 +217,7 @@ class SACPartitioner(CustomPartitionerFn):
                 report.notes.extend(floor)
             saved = res.saved
             label = budget_label(self.memory_budget) if self.memory_budget is not None \
-                else "(torch's, per group above)"
+                else "(per group above)"
             if self.memory_budget is not None:
                 report.memory_budget = self.memory_budget
                 report.budget_bytes = int(res.budget_bytes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 
@@ -32,11 +33,22 @@ __all__ = ["BudgetGroup", "region_budget_annotations", "torch_global_budget",
 
 @dataclasses.dataclass
 class BudgetGroup:
-    """Values under one cap of torch's meaning."""
+    """Values under one cap: torch's meaning (``least + b * (unconstrained - least)``) or
+    ours (``sac_region(memory_budget=...)``: a fraction of the unconstrained bytes, or
+    bytes)."""
 
     label: str               # for the report: what set the budget, on which values
-    fraction: float          # torch's b in [0, 1]
+    fraction: float          # torch's b in [0, 1]; ours: the budget as given
     nodes: list[fx.Node]
+    torch_meaning: bool = True
+    model: Any = None        # a whole-model budget (sac_compile.budgets.ModelBudget)
+
+    def cap(self, least: float, most: float) -> float:
+        if self.torch_meaning:
+            return least + self.fraction * max(most - least, 0)
+        if isinstance(self.fraction, float):
+            return self.fraction * most
+        return float(self.fraction)
 
 
 def torch_global_budget() -> float | None:
@@ -78,7 +90,7 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
             where = f"region {path[0]!r}" if path else "outside regions"
             groups[key] = BudgetGroup(f"region_activation_memory_budget({b:g}): {where}", b, [])
         groups[key].nodes.append(v)
-    out = list(groups.values())
+    out = list(groups.values()) + our_budget_groups(nodes)
     if global_fraction is not None and rest:
         out.append(BudgetGroup(
             f"torch._functorch.config.activation_memory_budget={global_fraction:g} (torch's "
@@ -86,6 +98,46 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
             f"{'the values no region budget covers' if out else 'the whole graph'}",
             global_fraction, rest))
     return out
+
+
+def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
+    """``sac_region(memory_budget=...)``: one group per region call with a budget (the
+    tagging mode writes ``meta["sac_region_budgets"]``); a whole-model budget
+    (``apply_regions(..., memory_budget=bytes)``) is one group over all its regions, which
+    must all be in this graph."""
+    from ..budgets import RegionBudget
+    from .budget import budget_label
+    groups: dict[object, BudgetGroup] = {}
+    names: dict[object, set[str]] = {}
+    for v in nodes:
+        for region_id, name, budget in v.meta.get("sac_region_budgets", ()):
+            assert isinstance(budget, RegionBudget)
+            model = budget.model
+            key = ("model", id(model)) if model is not None else ("region", region_id)
+            if key not in groups:
+                label = (f"memory_budget={budget_label(model.nbytes)} for the whole model "
+                         f"({len(model.members)} regions)") if model is not None else \
+                    f"memory_budget={budget_label(budget.value)} of region {name!r}"
+                groups[key] = BudgetGroup(label, model.nbytes if model is not None
+                                          else budget.value, [], False, model)
+                names[key] = set()
+            groups[key].nodes.append(v)
+            names[key].add(name)
+    for key, group in groups.items():
+        model = group.model
+        missing = sorted(set(model.members) - names[key]) if model is not None else []
+        if missing:
+            from .tagging import CompiledCheckpointError
+            raise CompiledCheckpointError(
+                f"sac_compile: the whole-model memory budget {budget_label(model.nbytes)} of "
+                f"apply_regions covers {len(model.members)} regions, but this compiled graph "
+                f"holds {len(names[key])} of them (missing {', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}): under torch.compile one byte budget "
+                f"for several graphs cannot be split without them. To fix: compile the whole "
+                f"model as one graph (no graph break between the blocks), or give each region "
+                f"its own budget (apply_regions(..., memory_budget=0.5) or "
+                f"sac_region(policy, memory_budget=...)), or run the model eagerly")
+    return list(groups.values())
 
 
 def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
@@ -132,7 +184,9 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
             edges.append((u, v, c))
         low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
         least = group_bytes(low.kept, low.w, low.recomputed, members)
-        cap = least + group.fraction * max(most - least, 0)
+        cap = group.cap(least, most)
+        if least > cap * (1 + 1e-9) + 1:  # (torch's meaning: never, cap >= least)
+            _unreachable(net, group, low, members, cap, least, most)
         fits = fits and most <= cap
         group_caps.append((sorted(members), cap))
         capped |= members
@@ -146,8 +200,8 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                            cap_all if cap_all is not None else base.nbytes, base.nbytes,
                            base.nbytes, base.nbytes, 1.0, [], 1, time.perf_counter() - t0,
                            base.on_host, "unconstrained cut", base.cost, base.cost)
-        return res, _with_kept(
-            lines, group_caps, lambda m: group_bytes(base.kept, base.w, base.recomputed, m))
+        kept_of = lambda m: group_bytes(base.kept, base.w, base.recomputed, m)  # noqa: E731
+        return res, _with_kept(lines, group_caps, kept_of) + _shares(groups, idx, kept_of)
     # Without our graph-wide cap, values under no cap keep their price (a byte each).
     priced = [] if cap_all is not None else [
         i for i in range(len(net.cls.nodes)) if i not in capped and _is_activation(net, i)]
@@ -156,12 +210,13 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
     if sol is None:
         from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(
-            "sac_compile: torch's activation memory budgets (torch.autograd.graph."
-            "region_activation_memory_budget, torch._functorch.config."
-            "activation_memory_budget) " + ("and memory_budget " if cap_all else "") +
+            "sac_compile: the memory budgets of this graph's regions (torch's region_"
+            "activation_memory_budget or activation_memory_budget, sac_region/apply_regions' "
+            "memory_budget) " + ("and the graph-wide memory_budget " if cap_all else "") +
             f"cannot be met together within {EXACT_TIME_LIMIT:g} s of the exact solver: "
-            + "; ".join(line for line in lines if line) + ". To fix: raise a region's budget, or drop the graph-wide "
-            "memory_budget, or put a graph break between the regions")
+            + "; ".join(line for line in lines if line) + ". To fix: raise a region's "
+            "budget, or drop the graph-wide memory_budget, or put a graph break between the "
+            "regions")
     nodes = net.cls.nodes
     kept = [nodes[i] for i in sol.kept]
     have = set(kept)
@@ -182,7 +237,42 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                        "exact program (MILP" + (", optimal)" if sol.optimal else
                                                 ", time limit)"),
                        sol.cost, sol.cost, lifted)
-    return res, _with_kept(lines, group_caps, sol_bytes)
+    return res, _with_kept(lines, group_caps, sol_bytes) + _shares(groups, idx, sol_bytes)
+
+
+def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
+            kept_of: Callable[[set[int]], float]) -> list[str]:
+    """A whole-model budget: each region's share of the bytes kept (also on the budget)."""
+    from ..report import fmt_bytes
+    lines = []
+    for group in groups:
+        if group.model is None:
+            continue
+        by_region: dict[str, set[int]] = {}
+        for v in group.nodes:
+            if v in idx:
+                for _, name, budget in v.meta.get("sac_region_budgets", ()):
+                    if budget.model is group.model:
+                        by_region.setdefault(name, set()).add(idx[v])
+        shares = {name: int(kept_of(members)) for name, members in by_region.items()}
+        group.model.shares.update(shares)
+        lines.append(f"{group.label}: shares " + ", ".join(
+            f"{name} {fmt_bytes(b)}" for name, b in shares.items()))
+    return lines
+
+
+def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[int],
+                 cap: float, least: float, most: float) -> None:
+    """Our budget on a region (or the whole model) below what it can keep: the error
+    :mod:`.budget` gives for a graph-wide one, naming the group."""
+    from .budget import _explain_budget
+    from .tagging import CompiledCheckpointError
+    idx = net.cls.index
+    kept = [v for v in low.kept if idx[v] in members]
+    rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed if i in members)
+    raise CompiledCheckpointError(
+        f"{group.label}: " + _explain_budget(net, kept, group.fraction, cap, int(least),
+                                             int(most), rng)) from None
 
 
 def _with_kept(lines: list[str], group_caps: list[tuple[list[int], float]],

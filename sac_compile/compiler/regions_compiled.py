@@ -135,7 +135,8 @@ def _region_body(token: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
             torch._dynamo.graph_break()  # the region then runs through the eager runtime
         return fn(*args, **kwargs)
     group = group_of_token(token)
-    return _run_eagerly(RegionFrame(group.name, group.policy), group.allow, fn, args, kwargs)
+    return _run_eagerly(RegionFrame(group.name, group.policy, budget=group.budget),
+                        group.allow, fn, args, kwargs)
 
 
 def _checkpoint_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any], *args: Any,

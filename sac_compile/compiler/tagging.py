@@ -71,6 +71,7 @@ __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointE
 
 META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_op", "sac_ask",
              "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
+             "sac_region_budgets",
              "sac_view_of", "sac_view_keeps_storage")
 
 _state = threading.local()
@@ -205,6 +206,8 @@ class SACTaggingMode(TorchDispatchMode):
             stack[0].decided.append(DecidedOp(frames, func, decision))
         call = next(_call_ids)
         joint = self._joint(graph)
+        budgets = tuple((m.region_id, m.frame.name, m.frame.budget) for m in stack
+                        if m.frame.budget is not None)
         for node in itertools.islice(reversed(graph.nodes), new):
             write_decision(node, decision, path)
             if not joint and _is_seeded(node) and decision.policy in _RECOMPUTES:
@@ -216,6 +219,8 @@ class SACTaggingMode(TorchDispatchMode):
             node.meta["sac_op"] = func  # the op the policies were asked about
             node.meta["sac_region_id"] = self.region_id
             node.meta["sac_outer_region_id"] = stack[0].region_id
+            if budgets:  # memory budgets of the active regions (compiler/region_budgets.py)
+                node.meta["sac_region_budgets"] = budgets
             node.meta["ac_graph_id"] = self.ac_graph_id if self.ac_graph_id is not None \
                 else self.region_id
             if ask is not None:
@@ -290,7 +295,8 @@ def region_contexts(token: str, name: str | None = None) -> Any:
     (:mod:`sac_compile.region_groups`), its policy asked under the group's name, or under
     ``name`` where our backend found which member of the group the region is."""
     group = group_of_token(token)
-    return frame_contexts(RegionFrame(name or group.name, group.policy), group.allow, group)
+    return frame_contexts(RegionFrame(name or group.name, group.policy, budget=group.budget),
+                          group.allow, group)
 
 
 def frame_contexts(frame: RegionFrame, allow_cache_entry_mutation: bool = False,

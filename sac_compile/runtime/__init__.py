@@ -46,6 +46,13 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     frame = fresh_frame(frame)  # a per_call(...) policy: built for this call
     recorder = active_recorder()
     if recorder is not None:
+        if frame.budget is not None:
+            from ..policy import CheckpointError
+            raise CheckpointError(
+                f"region {frame.name!r} has a memory budget but runs inside region "
+                f"{recorder.frames[0].name!r}; in eager mode a budget applies to an outermost "
+                f"region only. Put the budget on the outer region, or call this region "
+                f"outside it")
         outer = recorder.frames
         recorder.frames = outer + (frame,)
         if allow_cache_entry_mutation:  # applies to the values this inner region saves

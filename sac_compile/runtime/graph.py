@@ -148,7 +148,7 @@ class OutRef:
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
                  "versions", "outs", "rng", "packed", "mutated_by", "seq",
-                 "names", "tag", "uses", "spent", "__weakref__")
+                 "names", "tag", "uses", "spent", "kept", "kept_versions", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
                  ctx: ReplayContext, seq: int) -> None:
@@ -178,6 +178,10 @@ class OpNode:
         # region ends; ``spent`` counts them within the current backward. At the last one a
         # recomputed value is dropped.
         self.uses = self.spent = 0
+        # Some outputs of a multi-output op kept under a memory budget (None where not),
+        # and their versions then; the op stays recomputable for the others.
+        self.kept: list[Any] | None = None
+        self.kept_versions: list[int | None] | None = None
 
     @property
     def region(self) -> str:

@@ -40,6 +40,10 @@ class RegionRecorder(TorchDispatchMode):
         self.suspended = False
         self.caller_dispatch_keys: Any = None
         self.kept_effects = False  # some collective/effectful op's outputs were kept
+        self.budget_run = None  # a memory budget's plan for this call (.budget_run)
+        if frame.budget is not None:
+            from .budget_run import BudgetRun
+            self.budget_run = BudgetRun(frame.budget, frame.name)
 
     def __enter__(self) -> RegionRecorder:
         # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
@@ -195,6 +199,8 @@ class RegionRecorder(TorchDispatchMode):
         else:  # _set_decision's path for a first decision that saves nothing
             node.decision = decision
             self.decisions.append(node)
+        if self.budget_run is not None:
+            self.budget_run.on_op(node, out)
         return out
 
     def _effect_rule(self, node: OpNode, info: Any, decision: Decision) -> Decision:
@@ -347,8 +353,10 @@ class RegionRecorder(TorchDispatchMode):
 
     def finish(self) -> None:
         """Keep only what some backward needs, then forget the forward bookkeeping."""
+        # A memory budget's plan first: it decides what is saved (budget_run.py).
+        records: list[SavedValueRecord] = \
+            self.budget_run.apply(self) if self.budget_run is not None else []
         needed = _needed_nodes(self.handles)
-        records: list[SavedValueRecord] = []
         seen: set[int] = set()
         for node in self.decisions:
             if not node.decision.saves:
@@ -364,9 +372,9 @@ class RegionRecorder(TorchDispatchMode):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
             _store_saved(node)
-        if self.kept_effects:  # the warning judges what the policies said
+        if self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
-                                 if type(n.decision) is KeptDecision else n
+                                 if getattr(n.decision, "original", None) is not None else n
                                  for n in self.decisions])
         else:
             warn_inert_policies(self.decisions)

@@ -24,6 +24,8 @@ def unpack(packed: Any) -> torch.Tensor:
         return _unpack_progressive(packed)
     if node.value is not None and node.mutated_by is None:
         return _unpack_value(node, packed.index)
+    if node.kept is not None and node.kept[packed.index] is not None:
+        return _unpack_kept(node, packed.index)
     ctx = node.ctx
     with ctx.lock:
         if torch.get_default_dtype() != ctx.default_dtype:
@@ -79,6 +81,8 @@ def _unpack_progressive(packed: SavedHandle) -> torch.Tensor:
     with ctx.lock:
         if node.value is not None and node.mutated_by is None:
             out = _unpack_value(node, packed.index)
+        elif node.kept is not None and node.kept[packed.index] is not None:
+            out = _unpack_kept(node, packed.index)
         else:
             with torch.no_grad(), _autocast_off(), _default_dtype(ctx.default_dtype):
                 out = _materialize(node, progressive=True)[packed.index]
@@ -97,6 +101,29 @@ def _unpack_value(node: OpNode, index: int) -> torch.Tensor:
     if versions is not None and value[index]._version != versions[index]:
         raise _mutated_after_region(node, index)
     return value[index]
+
+
+def _unpack_kept(node: OpNode, index: int) -> torch.Tensor:
+    """An output a memory budget kept of a multi-output op, unless modified since."""
+    t, version = node.kept[index], node.kept_versions[index]
+    if version is not None and t._version != version:
+        raise CheckpointError(
+            f"output {index} of {node.describe()}, {tensor_text(t)} kept for backward under "
+            f"the region's memory budget, was modified in place after the region returned it "
+            f"(version {version} -> {t._version}), so backward would use the modified value. "
+            f"Clone it before modifying it, or use an out-of-place op")
+    return t
+
+
+def _kept_for(dep: OpNode, node: OpNode) -> bool:
+    """Whether the outputs of ``dep`` that ``node`` reads are all kept (``dep.kept``)."""
+    kept = dep.kept
+    if kept is None:
+        return False
+    refs = [r for a in (*node.args, *(node.kwargs or {}).values())
+            for r in (a if isinstance(a, (list, tuple)) else (a,))
+            if type(r) is OutRef and r.node is dep]
+    return all(kept[r.index] is not None for r in refs)
 
 
 def _release(node: OpNode) -> None:
@@ -189,7 +216,8 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
             expanded.add(id(node))
             pushed = False
             for dep in node.deps:
-                if dep.value is None or dep.mutated_by is not None:
+                if (dep.value is None and (dep.kept is None or not _kept_for(dep, node))) \
+                        or dep.mutated_by is not None:
                     stack.append(dep)
                     pushed = True
             if pushed:
@@ -279,7 +307,10 @@ def _restore_packed(node: OpNode) -> list[Any]:
 
 
 def _recomputed_value(ref: OutRef) -> Any:
-    return _unpack_value(ref.node, ref.index)
+    node = ref.node
+    if node.value is None and node.kept is not None:
+        return _unpack_kept(node, ref.index)
+    return _unpack_value(node, ref.index)
 
 
 class _LeafReader:

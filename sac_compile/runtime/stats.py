@@ -33,6 +33,10 @@ class EagerStats:
         self.recomputed_ops: list[str] = []
         self.ops_recorded = 0
         self.decisions: list[tuple[str, Decision]] = []
+        # Memory budgets (sac_region/apply_regions memory_budget): one line per plan, and
+        # the values the policy saved that a budget's cut recomputes instead.
+        self.budget_notes: list[str] = []
+        self.evicted: list[SavedValueRecord] = []
         # Values replay allocated (tensor outputs that are not views) whose memory is still
         # alive, counted by weak references to their storages: what backward holds of
         # recomputed values at one time (peak since collection began or reset_peak()).

@@ -1,0 +1,103 @@
+"""One memory budget for the whole model (issue 19): ``apply_regions(model, policy,
+where=..., memory_budget=<bytes>)`` is one byte budget for all the regions together, met
+at a single price per byte found over all of them; each region's share is reported."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.capture import capturing_backend
+from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
+from sac_compile import CheckpointError, apply_regions, policies
+from sac_compile.runtime import collect_stats
+
+POLICY = policies.relaxed(policies.save_matmuls)
+
+
+def _gpt(n_layers=None):
+    model, inputs = make_model("gpt", size="test", seed=0)
+    return model, inputs
+
+
+def _step(model, inputs):
+    for p in model.parameters():
+        p.grad = None
+    inputs[0].grad = None
+    with collect_stats() as stats:
+        torch.manual_seed(0)
+        out = model(*inputs)
+    loss_fn(out).backward()
+    per: dict[str, int] = {}
+    for r in stats.saved:
+        per[r.region] = per.get(r.region, 0) + r.nbytes
+    return stats, per, grads_of(model, inputs)
+
+
+def test_one_budget_for_all_regions_in_eager_mode():
+    """GPT fixture (dropout on): step 1 records (the regions keep what they keep without a
+    budget, and say so), from step 2 the regions together keep at most the budget, at one
+    price, with their shares reported; gradients equal no checkpointing's every step."""
+    model, inputs = _gpt()
+    ref = reference_grads(model, inputs, 0)
+    apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=20000)
+    stats, per, grads = _step(model, inputs)
+    assert max_grad_diff(ref, grads) == 0.0
+    assert all("recording step" in n for n in stats.budget_notes)
+    free = sum(per.values())
+    assert free > 20000
+    for _ in range(2):
+        stats, per, grads = _step(model, inputs)
+        assert max_grad_diff(ref, grads) == 0.0
+        assert sum(per.values()) <= 20000 < free
+        assert len(stats.budget_notes) == 2
+        assert all("one price per byte" in n and "share" in n for n in stats.budget_notes)
+    budget = model.blocks[0]._sac_regions[0].frame.budget.model
+    assert budget.shares == per and budget.weight < 1.0
+
+
+def test_an_unreachable_whole_model_budget_names_the_fix():
+    model, inputs = _gpt()
+    apply_regions(model, policies.save_matmuls, where=type(model.blocks[0]), memory_budget=64)
+    _step(model, inputs)
+    with pytest.raises(CheckpointError, match="whole-model memory budget 64 B of apply_regions "
+                                              "cannot be met"):
+        _step(model, inputs)
+
+
+def test_a_fraction_on_apply_regions_is_each_regions_own():
+    model, _ = _gpt()
+    apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=0.5)
+    budgets = [b._sac_regions[0].frame.budget for b in model.blocks]
+    assert all(b.model is None and b.value == 0.5 for b in budgets)
+    model, _ = _gpt()
+    apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget="64KiB")
+    models = {id(b._sac_regions[0].frame.budget.model) for b in model.blocks}
+    assert len(models) == 1 and model.blocks[0]._sac_regions[0].frame.budget.model.members == (
+        "blocks.0", "blocks.1")
+
+
+def test_whole_model_budget_under_compile_is_one_cap_over_the_regions():
+    """The whole model compiled as one graph: one cap over all its regions' values, with
+    each region's share in the report. A graph holding only some of the regions is an error
+    that says how to fix it (per-block compiles cannot split one byte budget)."""
+    torch._dynamo.reset()
+    model, inputs = _gpt()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ref = reference_grads(model, inputs, 0)
+    apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=20000)
+    backend, cap = capturing_backend()
+    compiled = torch.compile(model, backend=backend)
+    loss_fn(compiled(*inputs)).backward()
+    assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-5
+    report = cap.report
+    in_regions = sum(s.nbytes for s in report.saved if not s.is_input and s.region)
+    assert in_regions <= 20000
+    shares = [n for n in report.notes if "for the whole model (2 regions): shares" in n]
+    assert shares and "blocks.0" in shares[0] and "blocks.1" in shares[0], report.notes
+    torch._dynamo.reset()
+    backend, cap = capturing_backend()
+    model.blocks[0].compile(backend=backend)
+    with pytest.raises(CheckpointError, match="holds 1 of them"):
+        model(*inputs)
