@@ -154,6 +154,10 @@ def frame_in_group(name: str, policy: Any, allow: bool = False, *,
     group of earlier regions with the same identity and memory ``budget`` (a
     :class:`~sac_compile.budgets.RegionBudget`: part of the key), or in a new one
     (``by_name``: only with regions of the same name)."""
+    if torch.compiler.is_compiling():
+        # sac_region applied inside compiled code: no group (the identity rule cannot run
+        # in traced code); regions_compiled.run_region passes name and policy instead.
+        return RegionFrame(name, policy, None, budget)
     slot = RegionSlot("", name)
     _join(slot, policy, allow, by_name, budget)
     return RegionFrame(name, policy, slot, budget)

@@ -185,3 +185,27 @@ def test_a_wrapped_model_saves_loads_and_trains_the_same(policy):
     x = torch.randn(4, 16)
     for a, b in zip(_grads(loaded, x), _grads(model, x)):
         torch.testing.assert_close(a, b)
+
+
+def test_a_region_made_inside_compiled_code_compiles_and_is_exact():
+    """sac_region applied while Dynamo traces: the identity rule does not run in traced
+    code; the region passes its name and policy as constants instead of a group token."""
+    def saves_mm(ctx, op, *args, **kwargs):
+        return P.MUST_SAVE if op is aten.mm.default else None
+
+    def body(x, w):
+        return (x @ w).sin() @ w
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    body(x, w).sum().backward()
+    expected = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    reports = []
+    compiled = torch.compile(lambda x, w: sc.sac_region(saves_mm, name="Made")(body)(x, w).sum(),
+                             backend=make_backend(compiler="aot_eager",
+                                                  on_partition=reports.append))
+    compiled(x, w).backward()
+    torch.testing.assert_close((x.grad, w.grad), expected)
+    assert len(reports) == 1
+    assert {r.region for r in reports[0].saved if r.op == "aten.mm.default"} == {"Made"}

@@ -70,7 +70,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             name, policy, allow, by_name = group.name, group.policy, group.allow, group.by_name
         else:
             name, policy = context_fn.args[:2]
-            allow, by_name = False, True
+            allow, by_name = bool(context_fn.args[2:3] and context_fn.args[2]), True
         if _has_unstable_hooks_tag(module):
             _say_bypassed(name, "a tag(..., SaveWithHooks) in it has hooks with no stable "
                                 "identity; use module-level functions for pack and unpack")

@@ -51,12 +51,17 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
     # a closure policy: by its code alone, so closures over different values would share a
     # graph). The group (sac_compile.region_groups) holds the policy and the names.
     slot = frame.slot
-    if slot is None:  # a frame made outside sac_region/apply_regions
-        from ..region_groups import frame_in_group
-        slot = frame_in_group(frame.name, frame.policy, allow_cache_entry_mutation).slot
-    token = slot.token
-    context_fn = functools.partial(region_contexts, token)
-    body = functools.partial(_region_body, token, fn)
+    if slot is None:
+        # A region made while Dynamo traces (sac_region applied inside compiled code) has
+        # no group: its policy's identity cannot be computed in traced code. Its name and
+        # policy travel as constants, guarded by Dynamo, as a checkpoint() call's do.
+        context_fn = functools.partial(policy_contexts, frame.name, frame.policy,
+                                       allow_cache_entry_mutation)
+        body = functools.partial(_checkpoint_body, frame.name, frame.policy,
+                                 allow_cache_entry_mutation, fn)
+    else:
+        context_fn = functools.partial(region_contexts, slot.token)
+        body = functools.partial(_region_body, slot.token, fn)
     try:
         return torch_checkpoint(body, args, kwargs, context_fn)
     except BaseException as e:  # reached when the call runs as Python (a graph break)
@@ -241,10 +246,10 @@ def torch_checkpoint(body: Callable[..., Any], args: tuple, kwargs: dict,
                                              context_fn=context_fn, **kwargs)
 
 
-def policy_contexts(name: str, policy: Any) -> Any:
+def policy_contexts(name: str, policy: Any, allow: bool = False) -> Any:
     from ..policy import normalize_policy
     from .tagging import frame_contexts
-    return frame_contexts(RegionFrame(name, normalize_policy(policy)), False)
+    return frame_contexts(RegionFrame(name, normalize_policy(policy)), allow)
 
 
 def tag(tensor: torch.Tensor, opinion: Opinion) -> torch.Tensor:
