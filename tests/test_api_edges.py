@@ -184,3 +184,36 @@ def test_fn_kwargs_conflicts_and_a_policy_meant_for_fn_say_what_to_do():
     with pytest.raises(TypeError) as info:
         sc.checkpoint(torch.mm, x, w, policy="slow")
     assert "fn_kwargs" not in str(info.value)
+
+
+# -- 4. a region under torch.func transforms -------------------------------------------------
+
+def _scalar_block(x, w):
+    return block(x, w).sum()
+
+
+@pytest.mark.parametrize("transform, called", [
+    ("grad/vjp/jacrev/hessian", lambda x, w: torch.func.grad(_scalar_block)(x, w)),
+    ("grad/vjp/jacrev/hessian", lambda x, w: torch.func.vjp(_scalar_block, x, w)),
+    ("vmap", lambda x, w: torch.func.vmap(_scalar_block, in_dims=(0, None))(x, w)),
+    ("jvp/jacfwd", lambda x, w: torch.func.jvp(_scalar_block, (x, w), (x, w))),
+], ids=["grad", "vjp", "vmap", "jvp"])
+def test_a_region_under_torch_func_names_itself_and_the_alternative(transform, called):
+    """grad gave torch's saved-tensor-hooks message, vmap/jvp an internal assert."""
+    x, w = (t.detach() for t in _inputs())
+    with pytest.raises(sc.CheckpointError) as info:
+        called(x, w)
+    message = str(info.value)
+    assert f"region 'Block' ran under torch.func.{transform}" in message
+    assert "torch.autograd.grad" in message and "torch.no_grad()" in message
+
+
+def test_the_alternatives_the_error_names_work():
+    x, w = _inputs()
+    _scalar_block(x, w).backward()                    # torch.autograd: the region records
+    with torch.no_grad():                             # forward-only transforms: plain calls
+        rows = torch.func.vmap(_scalar_block, in_dims=(0, None))(x, w)
+        _, tangent = torch.func.jvp(_scalar_block, (x, w),
+                                    (torch.ones_like(x), torch.zeros_like(w)))
+    assert rows.shape == (4,)
+    torch.testing.assert_close(tangent, x.grad.sum())

@@ -65,6 +65,7 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         yield  # nothing will be saved for backward: a plain forward
         return
+    _refuse_functorch(frame)
     if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
         keep_dynamo_out()
     recorder = RegionRecorder(frame, allow_cache_entry_mutation)
@@ -75,6 +76,30 @@ def eager_region(frame: RegionFrame, allow_cache_entry_mutation: bool = False) -
     finally:
         _ACTIVE.recorder = None
     recorder.finish()
+
+
+_TRANSFORMS = {"Grad": "grad/vjp/jacrev/hessian", "Vmap": "vmap", "Jvp": "jvp/jacfwd",
+               "Functionalize": "functionalize"}
+
+
+def _refuse_functorch(frame: RegionFrame) -> None:
+    """A region recording under a ``torch.func`` transform: torch refuses saved-tensor
+    hooks under grad/vjp (its message names neither the region nor another way), and the
+    recorder's own ops fail under vmap/jvp (an internal assert). Say which region, and what
+    works instead."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return
+    from ..policy import CheckpointError
+    kind = interpreter.key().name
+    raise CheckpointError(
+        f"region {frame.name!r} ran under torch.func.{_TRANSFORMS.get(kind, kind.lower())}, "
+        f"and a region cannot record under torch.func transforms (its saved-tensor hooks; "
+        f"torch's own checkpoint is refused under torch.func.grad too). To fix: compute "
+        f"gradients with torch.autograd (loss.backward() or torch.autograd.grad), which "
+        f"regions support; or run the transformed call under torch.no_grad() when it needs "
+        f"no autograd graph (vmap of a forward, jvp: the region then runs as a plain "
+        f"function); or call the function without its region inside the transform")
 
 
 _dynamo_kept_out = False
