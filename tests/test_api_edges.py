@@ -217,3 +217,25 @@ def test_the_alternatives_the_error_names_work():
                                     (torch.ones_like(x), torch.zeros_like(w)))
     assert rows.shape == (4,)
     torch.testing.assert_close(tangent, x.grad.sum())
+
+
+# -- 5. a graph without regions: torch's split, parameters not counted -------------------------
+
+def test_a_split_by_torchs_partitioner_counts_no_parameter_in_saved_bytes():
+    """Handed to torch's min_cut_rematerialization_partition, whose CSE replaces the joint
+    graph's nodes: the parameters it saves were reported as plain inputs and counted."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                torch.nn.LayerNorm(8))
+    x = torch.randn(4, 8, requires_grad=True)
+    reports = []
+    backend = sc.make_backend(compiler="aot_eager", on_partition=reports.append)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(model, backend=backend)(x).sum().backward()
+    (report,) = reports
+    assert report.solver == "upstream"
+    params = [r for r in report.saved if r.reason.startswith("parameter")]
+    inputs = [r for r in report.saved if r.is_input and r not in params]
+    assert sorted(r.nbytes for r in params) == [32, 32, 512, 512]  # 2 weights, LayerNorm's 2
+    assert [r.nbytes for r in inputs] == [x.numel() * 4]
+    assert report.saved_bytes == report.activation_bytes + x.numel() * 4

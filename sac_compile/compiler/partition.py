@@ -167,6 +167,7 @@ class SACPartitioner(CustomPartitionerFn):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
             lap("upstream")
             report.solver = "upstream"
+            static = static_inputs(gm.graph, static_idx)  # its CSE replaced gm.graph's nodes
             recomputed = recomputed_names(fw, bw)
             saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")]
             self._finish(report, gm, fw, bw, saved_names, recomputed, timings, static=static)
