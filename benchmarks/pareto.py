@@ -27,7 +27,11 @@ bytes <= B_u and FLOPs <= F_u. A PNG of both fronts goes to benchmarks/out/paret
 matplotlib is installed.
 
     python benchmarks/pareto.py [--quick] [--size bench|test] [--budgets 1.0,0.5,...]
-                                [--configs ours,SAC] [--inductor]
+                                [--configs ours,SAC] [--inductor] [--eager]
+
+``--eager`` first runs ``budget_sweeps.py`` (issue 19): eager budgets against the same
+blocks compiled, and one whole-model byte budget against per-region budgets of the same
+total bytes.
 """
 from __future__ import annotations
 
@@ -393,7 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default=str(OUT / "pareto.png"))
     parser.add_argument("--no-match", action="store_true",
                         help="skip running ours at the bytes of unmatched upstream points")
+    parser.add_argument("--eager", action="store_true", help="also budget_sweeps.py: eager vs "
+                        "compiled budgets, whole-model vs per-region at equal bytes (issue 19)")
     args = parser.parse_args(argv)
+    if args.eager:
+        import budget_sweeps
+        budget_sweeps.main(["--size", args.size]
+                           + (["--budgets", args.budgets] if args.budgets else []))
     text = args.budgets or ",".join(map(str, QUICK_BUDGETS if args.quick else BUDGETS))
     budgets = [float(b) for b in text.split(",") if b.strip()]
     configs = [c for c in CONFIGS if not args.configs

@@ -11,6 +11,10 @@ Strategies (keys in report.json in brackets):
   and torch's own partitioner (``min_cut_rematerialization_partition``).
 * ours eager [``ours_eager``]: ``sac_region(policy)`` on every block, the eager runtime.
 * ours compiled [``ours_compiled``]: the same with ``backend=sac_backend`` (Inductor).
+* ours eager, budget [``ours_eager_budget``]: ``sac_region(relaxed(policy), memory_budget=...)``
+  on every block, as ``apply_regions`` gives it (a fraction: each block's own; bytes: one
+  budget for all blocks, priced together), the eager runtime; measured on the third step
+  (the first records and plans; a whole-model budget prices its regions on the second).
 * ours budget [``ours_budget``]: ours compiled with ``make_backend(memory_budget=...)`` and
   the same policy with its MUSTs relaxed to PREFERs (MUST_SAVE -> PREFER_SAVE, ...), so that
   the budget may evict what the policy would save. A fraction is of the activation bytes the
@@ -94,6 +98,7 @@ STRATEGIES: list[tuple[str, str, str]] = [
     ("torch_sac_compiled", "torch SAC compiled (inductor)", "compiled"),
     ("ours_eager", "ours eager", "eager"),
     ("ours_compiled", "ours compiled (sac_backend)", "compiled"),
+    ("ours_eager_budget", "ours eager, memory budget", "eager"),
     ("ours_budget", "ours compiled, memory budget", "compiled"),
 ]
 
@@ -173,6 +178,8 @@ class _Runner:
             (f"ours compiled, budget {budget:g}" if isinstance(budget, float)
              else f"ours compiled, budget {fmt_bytes(budget)}") + f" ({cfg.policy_label}, "
             f"MUSTs relaxed)")
+        self.rows["ours_eager_budget"].label = self.rows["ours_budget"].label.replace(
+            "ours compiled", "ours eager")
 
     # -- helpers ---------------------------------------------------------------------------
     def _copy(self) -> nn.Module:
@@ -251,6 +258,13 @@ class _Runner:
                 res = measure_ours(model, inputs, self.cfg.policy, seed=seed, loss=loss_of)
                 row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
                 wrap = ours(self.cfg.policy)
+            elif key == "ours_eager_budget":  # the first step records and plans
+                wrap = ours(relaxed(self.cfg.policy), self.cfg.budget, len(model.blocks))
+                for _ in range(2):  # (a whole-model budget prices its regions on step 2)
+                    res = measure_ours(model, inputs, seed=seed, loss=loss_of, regions=wrap)
+                res = measure_ours(model, inputs, seed=seed, loss=loss_of, regions=wrap)
+                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+                row.note = res.note
             else:  # pragma: no cover
                 raise KeyError(key)
         row.grads = res_grads if key == "full_ac" else res.grads

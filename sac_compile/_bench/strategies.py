@@ -126,20 +126,37 @@ def torch_sac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
 
 
-def ours(policy: Any) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
+def ours(policy: Any, budget: Any = None, n_blocks: int = 0
+         ) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
+    """Block ``i`` as ``sac_region(policy, name=f"blocks.{i}")``; with ``budget``, each
+    with it as ``apply_regions`` gives it (bytes: one budget for the ``n_blocks`` blocks
+    together), the budgets made once so that their plans persist across steps."""
+    budgets = _block_budgets(budget, n_blocks) if budget is not None else None
+
     def wrap(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
-        return sac_region(policy, name=f"blocks.{i}")(fwd)
+        own = budgets[i] if budgets is not None else None
+        return sac_region(policy, name=f"blocks.{i}", memory_budget=own)(fwd)
     return wrap
 
 
+def _block_budgets(budget: Any, n: int) -> list[Any]:
+    from ..budgets import ModelBudget, RegionBudget, region_budget
+    value = region_budget(budget).value
+    shared = None if isinstance(value, float) else \
+        ModelBudget(value, tuple(f"blocks.{i}" for i in range(n)))
+    return [RegionBudget(value, shared) for _ in range(n)]
+
+
 def ours_blocks(model: nn.Module, policy: Any = "save_matmuls",
-                on_call: Callable[[tuple], None] | None = None) -> contextlib.AbstractContextManager:
+                on_call: Callable[[tuple], None] | None = None,
+                regions: Callable[..., Any] | None = None) -> contextlib.AbstractContextManager:
     """Run every ``model.blocks[i]`` as ``sac_region(policy, name=f"blocks.{i}")`` while the
     context is active (the module objects are not replaced). ``on_call(args)`` sees the
     arguments of every region call."""
 
     def wrap(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
-        region = sac_region(policy, name=f"blocks.{i}")(fwd)
+        region = regions(i, fwd) if regions is not None else \
+            sac_region(policy, name=f"blocks.{i}")(fwd)
         if on_call is None:
             return region
 
@@ -153,8 +170,10 @@ def ours_blocks(model: nn.Module, policy: Any = "save_matmuls",
 
 def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", *,
                  seed: int = 0, loss: Callable[[Any], torch.Tensor] = loss_fn,
-                 strategy: str = "sac_compile") -> StepResult:
-    """Every block as an eager region with ``policy``; figures from ``collect_stats()``."""
+                 strategy: str = "sac_compile", regions: Callable[..., Any] | None = None
+                 ) -> StepResult:
+    """Every block as an eager region with ``policy`` (or as ``regions(i, forward)``
+    makes it); figures from ``collect_stats()``."""
     exclude = param_storages(model)
     region_inputs = SavedBytes(exclude)
 
@@ -165,7 +184,8 @@ def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", 
     clear_grads(model, inputs)
     torch.manual_seed(seed)
     with runtime.collect_stats() as stats:
-        with ours_blocks(model, policy, record_inputs), SavedBytes(exclude) as outside:
+        with ours_blocks(model, policy, record_inputs, regions), \
+                SavedBytes(exclude) as outside:
             out = loss(model(*inputs))
         policy_bytes = stats.saved_bytes
         out.backward()
@@ -179,4 +199,6 @@ def measure_ours(model: nn.Module, inputs: tuple, policy: Any = "save_matmuls", 
     others.storages.update(region_inputs.storages)
     grads = grads_of(model, inputs)
     clear_grads(model, inputs)
-    return StepResult(strategy, policy_bytes + others.nbytes, policy_bytes, recomputed, grads)
+    result = StepResult(strategy, policy_bytes + others.nbytes, policy_bytes, recomputed, grads)
+    result.note = "\n".join(dict.fromkeys(stats.budget_notes))
+    return result

@@ -66,6 +66,13 @@ def run_report_command(args: Any) -> int:
     print()
     print(format_table(rows, device))
     print()
+    budgeted = next((r for r in rows if r.key == "ours_eager_budget" and r.status == "ok"), None)
+    if budgeted is not None and budgeted.note:  # each region's share of the budget
+        print("memory budget, eager (one line per region: its plan, and its share of a "
+              "whole-model budget):")
+        for line in budgeted.note.splitlines():
+            print("  " + line)
+        print()
     peak = ("peak: torch.cuda.max_memory_allocated during the step" if device.startswith("cuda")
             else "peak*: on CPU, the runtime's own accounting of live saved values (bytes alive "
                  "for backward when forward ends), not an allocator measurement")
