@@ -185,6 +185,10 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
     report.recompute_flops = counter.flops
     report.outside_bytes = outside.nbytes
     report.peak = _measured_peak(meter)
+    # Memory budgets: each plan, and what the policy saved that a budget's cut recomputes.
+    report.notes.extend(dict.fromkeys(stats.budget_notes))
+    report.evicted = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region)
+                      for r in stats.evicted]
     return report
 
 

@@ -2,10 +2,13 @@
 now either working or refused with an error that names what to do."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import sac_compile as sc
+import sac_compile.compiler  # noqa: F401  (sc.compiler)
 from sac_compile import policies
 
 
@@ -239,3 +242,76 @@ def test_a_split_by_torchs_partitioner_counts_no_parameter_in_saved_bytes():
     assert sorted(r.nbytes for r in params) == [32, 32, 512, 512]  # 2 weights, LayerNorm's 2
     assert [r.nbytes for r in inputs] == [x.numel() * 4]
     assert report.saved_bytes == report.activation_bytes + x.numel() * 4
+
+
+# -- 6. a custom aot_autograd backend whose partition_fn wraps SACPartitioner ------------------
+
+def _partition_by_a_fresh_sac_partitioner(gm, joint_inputs, **kwargs):
+    """Makes ours where it is called (a global, through module attributes)."""
+    return sc.compiler.SACPartitioner()(gm, joint_inputs, **kwargs)
+
+
+def _closure_wrapper():
+    ours = sc.compiler.SACPartitioner()
+
+    def partition(gm, joint_inputs, **kwargs):
+        return ours(gm, joint_inputs, **kwargs)
+    return partition
+
+
+class _LoggingPartitioner:
+    def __init__(self):
+        self.inner, self.calls = sc.compiler.SACPartitioner(), 0
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        self.calls += 1
+        return self.inner(gm, joint_inputs, **kwargs)
+
+
+def _calls_torchs(gm, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+@pytest.mark.parametrize("make, ours", [
+    (_closure_wrapper, True),
+    (lambda: _partition_by_a_fresh_sac_partitioner, True),
+    (lambda: functools.partial(lambda part, *a, **k: part(*a, **k),
+                               sc.compiler.SACPartitioner()), True),
+    (_LoggingPartitioner, True),
+    (lambda: _calls_torchs, False),
+], ids=["closure", "global", "partial", "object", "torchs"])
+def test_a_partition_fn_that_wraps_ours_gets_no_foreign_partitioner_warning(make, ours,
+                                                                            count_our_splits):
+    import warnings
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    name = f"Wrapped_{make.__name__}_{ours}_{len(_SPLITS)}"
+    region = sc.sac_region(policies.save_matmuls, name=name)(lambda x, w: torch.tanh(x @ w) @ w)
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=make())
+    x, w = _inputs()
+    with warnings.catch_warnings(record=True) as caught, \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        warnings.simplefilter("always")
+        torch.compile(region, backend=backend)(x, w).sum().backward()
+    warned = [w for w in caught if "torch's partitioner" in str(w.message)]
+    assert len(warned) == (0 if ours else 1)
+    assert len(_SPLITS) == (1 if ours else 0)   # and the split was ours indeed
+    _SPLITS.clear()
+
+
+_SPLITS: list = []
+
+
+@pytest.fixture
+def count_our_splits(monkeypatch):
+    original = sc.compiler.SACPartitioner._partition
+
+    def counting(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        _SPLITS.append(self.last_report)
+        return out
+    monkeypatch.setattr(sc.compiler.SACPartitioner, "_partition", counting)
+    _SPLITS.clear()
+    yield

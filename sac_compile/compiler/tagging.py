@@ -25,8 +25,9 @@ them, so outer and inner opinions resolve as in eager mode (torch lets the inner
 
 Who runs the region (:func:`region_contexts`, the ``context_fn`` of every region):
 
-* AOTAutograd tracing a joint graph for our partitioner (:func:`sac_partitioning`, set by
-  our backends, or Inductor's ``custom_partitioner_fn`` set to ours): the tagging mode.
+* AOTAutograd tracing a joint graph for our partitioner (:mod:`.who_splits`: one of our
+  backends, Inductor's ``custom_partitioner_fn``, or an ``aot_autograd`` ``partition_fn``
+  that is or calls ours): the tagging mode.
 * AOTAutograd tracing for another partitioner (``backend="aot_eager"``, ``"inductor"``):
   the tagging mode too - torch's partitioner reads ``node.meta["recompute"]`` and
   functionalises recomputed random ops - plus one ``UserWarning`` per region name, since
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import threading
 from typing import Any
 
@@ -65,6 +65,7 @@ from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decid
 from ..region_groups import RegionGroup, group_of_token, split_by_name
 from .markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from .roles import is_joint_graph
+from .who_splits import partitioned_by_us, sac_partitioning  # noqa: F401  (re-exported)
 
 __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointError",
            "META_KEYS"]
@@ -378,46 +379,6 @@ def take_eager_entry() -> bool:
         return False
     _state.eager_entry = None
     return True
-
-
-# -- Who splits the joint graph? -------------------------------------------------------
-
-@contextlib.contextmanager
-def sac_partitioning() -> Any:
-    """Set by our backends around their compile: joint graphs traced inside are split by
-    :class:`~.partition.SACPartitioner`."""
-    depth = getattr(_state, "ours", 0)
-    _state.ours = depth + 1
-    try:
-        yield
-    finally:
-        _state.ours = depth
-
-
-def partitioned_by_us() -> bool:
-    """Whether the joint graph being traced will be split by our partitioner: inside one
-    of our backends, Inductor with ``custom_partitioner_fn`` set to ours, or a user's own
-    ``aot_autograd(partition_fn=SACPartitioner(...))`` (found as AOTAutograd's
-    ``partition_fn`` argument up the stack; AOTAutograd keeps no global of it)."""
-    if getattr(_state, "ours", 0):
-        return True
-    from .partition import SACPartitioner  # partition imports this module
-    try:
-        from torch._inductor import config
-        if isinstance(getattr(config, "custom_partitioner_fn", None), SACPartitioner):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return isinstance(_partition_fn_on_stack(), SACPartitioner)
-
-
-def _partition_fn_on_stack() -> Any:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "aot_module_simplified":
-            return frame.f_locals.get("partition_fn")
-        frame = frame.f_back
-    return None
 
 
 def _warn_foreign_partitioner(name: str) -> None:
