@@ -315,3 +315,29 @@ def count_our_splits(monkeypatch):
     monkeypatch.setattr(sc.compiler.SACPartitioner, "_partition", counting)
     _SPLITS.clear()
     yield
+
+
+# -- 7. packaging: the license as an SPDX expression -----------------------------------------
+
+def test_pyproject_license_is_an_spdx_string_setuptools_takes_without_deprecation():
+    """``make setup`` printed setuptools' deprecation of ``project.license`` as a table."""
+    import os
+    import warnings
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = pytest.importorskip("setuptools")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "pyproject.toml")
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    assert doc["project"]["license"] == "BSD-3-Clause"
+    assert "setuptools>=77" in doc["build-system"]["requires"]   # PEP 639 strings
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} predates SPDX license strings")
+    from setuptools.config import pyprojecttoml
+    from setuptools.dist import Distribution
+    dist = Distribution()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pyprojecttoml.apply_configuration(dist, path)
+    assert [type(w.message).__name__ for w in caught] == []
+    assert dist.metadata.license_expression == "BSD-3-Clause"
