@@ -50,8 +50,9 @@ columns:
   kept      activation bytes kept for backward (eager: counted at run time; compiled: the
             partition report); parameters are never counted
   peak      CUDA: torch.cuda.max_memory_allocated during the step, above the step's start;
-            CPU: the runtime's own accounting of live saved values (the bytes alive for
-            backward when forward ends), not an allocator measurement
+            CPU: the most live activation bytes during the step (eager: counted at run
+            time; compiled: the partitioner's peak model of its graphs), not an allocator
+            measurement
   recompute FLOPs spent re-running forward ops in backward (torch.utils.flop_counter rules:
             matmuls, convolutions, attention)
   time      median over interleaved rounds of the step time divided by no AC's in the same

@@ -74,8 +74,9 @@ def run_report_command(args: Any) -> int:
             print("  " + line)
         print()
     peak = ("peak: torch.cuda.max_memory_allocated during the step" if device.startswith("cuda")
-            else "peak*: on CPU, the runtime's own accounting of live saved values (bytes alive "
-                 "for backward when forward ends), not an allocator measurement")
+            else "peak*: on CPU, the most live activation bytes during the step (eager: "
+                 "counted at run time; compiled: the partitioner's peak model of its "
+                 "forward/backward graphs), not an allocator measurement")
     print("kept: activation bytes kept for backward (eager: counted at run time; compiled: the "
           "partition); parameters excluded.")
     print(peak + ".")
