@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Union
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from .errors import CheckpointError
+
 CheckpointPolicy = _torch_checkpoint.CheckpointPolicy
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -27,10 +29,6 @@ PREFER_CPU_OFFLOAD = CheckpointPolicy.PREFER_CPU_OFFLOAD
 _MUSTS = frozenset({MUST_SAVE, MUST_RECOMPUTE, MUST_CPU_OFFLOAD})
 _SAVES = frozenset({MUST_SAVE, PREFER_SAVE, MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD})
 _OFFLOADS = frozenset({MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD})
-
-
-class CheckpointError(_torch_checkpoint.CheckpointError):
-    """Raised for checkpointing misuse; the message names the op, the region and the fix."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

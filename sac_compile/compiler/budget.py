@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..errors import CompiledCheckpointError
 from . import costs
 from .network import INF, FlowNetwork
 from .reasons import ReasonKind, kind_of
@@ -207,7 +208,6 @@ def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None 
     low = at(w_min)
     if low.nbytes > cap:
         # Keeps its type and message through Dynamo (a CheckpointError, not wrapped).
-        from .tagging import CompiledCheckpointError
         rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed)
         raise CompiledCheckpointError(
             _explain_budget(net, low.kept, budget, cap, low.nbytes, base.nbytes, rng)) from None

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..errors import CompiledCheckpointError
 from .budget import TILT, EXACT_TIME_LIMIT, BudgetResult, Cut, _cut, _is_activation
 from .network import FlowNetwork
 from .solvers import source_side
@@ -127,7 +128,6 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         model = group.model
         missing = sorted(set(model.members) - names[key]) if model is not None else []
         if missing:
-            from .tagging import CompiledCheckpointError
             raise CompiledCheckpointError(
                 f"sac_compile: the whole-model memory budget {budget_label(model.nbytes)} of "
                 f"apply_regions covers {len(model.members)} regions, but this compiled graph "
@@ -208,7 +208,6 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
     sol = solve_exact(problem, cap_all, time_limit=EXACT_TIME_LIMIT, group_caps=group_caps,
                       priced=priced)
     if sol is None:
-        from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(
             "sac_compile: the memory budgets of this graph's regions (torch's region_"
             "activation_memory_budget or activation_memory_budget, sac_region/apply_regions' "
@@ -266,7 +265,6 @@ def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[in
     """Our budget on a region (or the whole model) below what it can keep: the error
     :mod:`.budget` gives for a graph-wide one, naming the group."""
     from .budget import _explain_budget
-    from .tagging import CompiledCheckpointError
     idx = net.cls.index
     kept = [v for v in low.kept if idx[v] in members]
     rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed if i in members)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
+from ..errors import CompiledCheckpointError
 from ..policy import CheckpointPolicy
 from . import costs
 from .network import INF, FlowNetwork
@@ -105,7 +106,6 @@ def source_side(net: FlowNetwork, solver: str | None = None, *,
     try:
         return fn(net.sink + 1, net.edges if edges is None else edges, net.source, net.sink)
     except InfeasibleCut:
-        from .tagging import CompiledCheckpointError
         raise CompiledCheckpointError(_explain_infeasible(net)) from None
 
 

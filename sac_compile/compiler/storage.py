@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..errors import CompiledCheckpointError
 from ..policy import CheckpointPolicy, Decision
 from ..report import fmt_bytes
 from . import costs
@@ -70,7 +71,6 @@ def _region(node: fx.Node) -> str:
 
 
 def _error(msg: str) -> Exception:
-    from .tagging import CompiledCheckpointError
     return CompiledCheckpointError(msg)
 
 

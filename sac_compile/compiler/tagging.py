@@ -57,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from ..errors import CompiledCheckpointError, reraise_compiled
 from ..logs import warn_once_per_region
 from ..per_call import fresh_frame
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
@@ -85,35 +86,6 @@ def _active() -> list[SACTaggingMode]:
     if stack is None:
         stack = _state.stack = []
     return stack
-
-
-def active_frames() -> tuple[RegionFrame, ...]:
-    return tuple(m.frame for m in _active())
-
-
-def _compiled_error_type() -> type:
-    # Dynamo wraps what a backend raises into BackendCompilerFailed, except ShortenTraceback
-    # subclasses: an error that is both keeps its type and message for the user.
-    from torch._dynamo.exc import ShortenTraceback
-
-    class CompiledCheckpointError(CheckpointError, ShortenTraceback):
-        """A :class:`CheckpointError` raised while compiling; same message as in eager."""
-
-        def __init__(self, msg: str) -> None:
-            ShortenTraceback.__init__(self, msg, first_useful_frame=None)
-
-    CompiledCheckpointError.__module__ = __name__
-    CompiledCheckpointError.__qualname__ = "CompiledCheckpointError"
-    return CompiledCheckpointError
-
-
-CompiledCheckpointError = _compiled_error_type()
-
-
-def reraise_compiled(e: CheckpointError) -> None:
-    if isinstance(e, CompiledCheckpointError):
-        raise e
-    raise CompiledCheckpointError(str(e)) from None
 
 
 def _proxy_mode() -> Any:
