@@ -12,7 +12,7 @@ from fixtures.capture import capturing_backend as _capturing
 from sac_compile import CheckpointPolicy as CP, SaveWithHooks, sac_region, tag
 from sac_compile.compiler import make_backend
 from sac_compile.compiler.cache_keys import hooks_key, policy_key
-from sac_compile.compiler.markers import decode_opinion, encode_opinion
+from sac_compile.markers import decode_opinion, encode_opinion
 
 aten = torch.ops.aten
 

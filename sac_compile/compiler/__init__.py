@@ -4,7 +4,7 @@ and the ``torch.compile`` backends.
 Modules, one concern each:
 
 * :mod:`.tagging` - the dispatch mode that writes each op's decision into the joint graph.
-* :mod:`.markers` - the ``tag()``/``name()`` marker ops under compile (a ``SaveWithHooks``
+* :mod:`sac_compile.markers` - the ``tag()``/``name()`` marker ops under compile (a ``SaveWithHooks``
   opinion registered and named in the marker's string).
 * :mod:`.roles` - what a graph input is (forward input, parameter, tangent, RNG state).
 * :mod:`.normalize` - the FX passes that turn the raw tags into final decisions.

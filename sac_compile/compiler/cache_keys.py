@@ -20,7 +20,7 @@ gets no hash: the graph that holds its region bypasses the cache, and one log li
 region (``sac_compile`` logger, INFO) names the value that has no stable name.
 
 ``SaveWithHooks`` given to ``tag()`` are covered by the marker's string in the region's
-graph, which names the hooks' identity (:mod:`.markers`); a region holding a tag whose
+graph, which names the hooks' identity (:mod:`sac_compile.markers`); a region holding a tag whose
 hooks have none gets no hash either.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _say_bypassed(name: str, why: str) -> None:
 def _has_unstable_hooks_tag(module: torch.fx.GraphModule) -> bool:
     """A tag() marker in ``module``'s own graph whose SaveWithHooks string is a number that
     means nothing in another process (:func:`.markers.is_stable_text`)."""
-    from .markers import TAG_OP, is_stable_text
+    from ..markers import TAG_OP, is_stable_text
     for node in module.graph.find_nodes(op="call_function", target=TAG_OP):
         text = node.args[1]
         if isinstance(text, str) and not is_stable_text(text):

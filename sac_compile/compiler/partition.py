@@ -45,22 +45,19 @@ __all__ = ["SACPartitioner"]
 
 P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
-_HASHED_MODULES = ("tagging", "markers", "normalize", "roles", "costs", "network", "solvers",
-                   "budget", "region_budgets", "exact", "reasons", "order", "final_graphs",
-                   "peak", "boundaries", "partition", "stand_ins")
+# Every module of the compiler package, and the core modules it decides with.
+_HASHED_CORE = ("policy", "markers", "op_costs", "errors")
 
 
 def _code_hash() -> str:
     import importlib
+    from pathlib import Path
 
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from .. import policy
-    files = [inspect.getfile(policy)]
-    files += [inspect.getfile(importlib.import_module(f"{__package__}.{name}"))
-              for name in _HASHED_MODULES]
-    from .storage import code_files as storage_files  # offload and SaveWithHooks passes
-    files.extend(storage_files())
+    files = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
+    files += [inspect.getfile(importlib.import_module(f"sac_compile.{name}"))
+              for name in _HASHED_CORE]
     return get_hash_for_files(tuple(files)).hex()
 
 

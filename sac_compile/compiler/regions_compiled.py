@@ -33,7 +33,7 @@ import torch
 
 from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
-from .markers import encode_opinion, name_op, tag_op
+from ..markers import encode_opinion, name_op, tag_op
 from ..region_groups import group_of_token, name_in_graph
 from .tagging import region_contexts, take_eager_entry
 

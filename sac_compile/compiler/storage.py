@@ -32,18 +32,12 @@ from ..policy import CheckpointPolicy, Decision
 from ..report import fmt_bytes
 from . import costs
 
-__all__ = ["extract_with_storage", "annotate_report", "StorageNote", "code_files",
+__all__ = ["extract_with_storage", "annotate_report", "StorageNote",
            "packed_sizes"]
 
 P = CheckpointPolicy
 NOTE_KEY = "sac_storage"
 SUMMARY_KEY = "sac_storage_summary"
-
-
-def code_files() -> list[str]:
-    """Source files whose code shapes the graphs (for the partitioner's cache key)."""
-    from . import offload, save_hooks, stand_ins
-    return [__file__, offload.__file__, save_hooks.__file__, stand_ins.__file__]
 
 
 @dataclasses.dataclass(frozen=True)

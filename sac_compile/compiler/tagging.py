@@ -40,7 +40,7 @@ Who runs the region (:func:`region_contexts`, the ``context_fn`` of every region
   ``tag()``/``name()`` do.
 
 ``tag(t, opinion)`` and ``name(t, label)`` under compile become the identity marker ops
-``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (:mod:`.markers`, where a
+``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (:mod:`sac_compile.markers`, where a
 ``SaveWithHooks`` opinion keeps its hooks); :mod:`.normalize` folds them into the decision
 of the producer and removes them from the graph. A marker traced inside a region carries
 ``node.meta["sac_marker_region"]`` = (outermost region call, innermost region name); one
@@ -64,7 +64,7 @@ from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decid
                       RegionFrame, decide, foreign_tensor_message, region_reads,
                       warn_inert_policies)
 from ..region_groups import RegionGroup, group_of_token, split_by_name
-from .markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
+from ..markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from .roles import is_joint_graph
 from .who_splits import partitioned_by_us, sac_partitioning  # noqa: F401  (re-exported)
 

@@ -26,9 +26,12 @@ import torch
 
 from ..per_call import fresh_frame
 from ..policy import RegionFrame
+from . import marker_rules
 from .record import RegionRecorder
 from .replay import unpack_hook
 from .stats import EagerStats, SavedValueRecord, collect_stats
+
+marker_rules.register()  # the compiler's tag()/name() markers, run under the recorder
 
 __all__ = ["EagerStats", "RegionRecorder", "SavedValueRecord", "active_recorder",
            "collect_stats", "eager_region"]

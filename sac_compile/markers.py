@@ -1,4 +1,6 @@
-"""``tag()`` and ``name()`` under compile: identity marker ops, folded away by :mod:`.normalize`.
+"""``tag()`` and ``name()`` under compile: identity marker ops, folded away by the
+compiler's :mod:`~sac_compile.compiler.normalize` (under an eager-run checkpoint op, the
+eager runtime applies them: :mod:`sac_compile.runtime.marker_rules`).
 
 ``tag(t, opinion)`` and ``name(t, label)`` while Dynamo traces become the identity ops
 ``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (no graph break); the opinion
@@ -12,7 +14,7 @@ by the rules of :func:`sac_compile.policy_identity.hooks_key` - else ``SaveWithH
 process). :func:`decode_opinion` gives the registered object back, so the decision of the
 tagged value carries the hooks exactly as a policy's ``SaveWithHooks`` does, and the
 storage pass traces them into the graphs. A region whose graph holds a tag with hooks of
-no stable identity bypasses AOTAutograd's cache (:func:`.cache_keys.annotate_regions`), as
+no stable identity bypasses AOTAutograd's cache (:func:`sac_compile.compiler.cache_keys.annotate_regions`), as
 a region whose policy has none does.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..policy import CheckpointError, CheckpointPolicy, Opinion, SaveWithHooks
+from .policy import CheckpointError, CheckpointPolicy, Opinion, SaveWithHooks
 
 __all__ = ["encode_opinion", "decode_opinion", "tag_op", "name_op", "TAG_OP", "NAME_OP",
            "MARKER_OPS", "marker_producer", "HOOKS_PREFIX", "register_hooks",
@@ -93,7 +95,7 @@ def register_hooks(hooks: SaveWithHooks) -> str:
 
 def stable_hooks_text(hooks: SaveWithHooks) -> str | None:
     """``SaveWithHooks:<digest>`` of the hooks' identity in every process, or None."""
-    from ..policy_identity import hooks_key
+    from .policy_identity import hooks_key
     key = hooks_key(hooks)
     if key is None:
         return None
@@ -163,28 +165,3 @@ def marker_producer(marker: fx.Node) -> fx.Node:
     while src.target in MARKER_OPS:
         src = src.args[0]
     return src.args[0] if src.target is operator.getitem else src
-
-
-# When torch's checkpoint op runs eagerly (a backend without AOTAutograd), the markers in
-# dynamo's graph run under the eager runtime's recorder: apply them as eager tag()/name()
-# do (same opinions, same errors, the same hooks), then record the marker as the identity
-# op it is.
-def _marker_under_recorder(what: str) -> Any:
-    def rule(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        from .. import regions
-        tensor, arg = args
-        if what == "tag":
-            regions.tag(tensor, decode_opinion(arg))
-        else:
-            regions.name(tensor, arg)
-        return mode.__torch_dispatch__(func, types, args, kwargs or {})
-    return rule
-
-
-def _register_marker_rules() -> None:
-    from ..runtime.record import RegionRecorder
-    tag_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("tag"))
-    name_op.register_torch_dispatch(RegionRecorder, _marker_under_recorder("name"))
-
-
-_register_marker_rules()
