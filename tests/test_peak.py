@@ -186,3 +186,26 @@ def test_peak_model_with_a_replayed_random_op_equals_run_time():
     meter, _ = step_peak(g, [], [x, w])
     assert reports[-1].peak.forward == meter.peak("forward")
     assert abs(reports[-1].peak.backward - meter.peak("backward")) <= 16
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_gradient_checkpointing_peak_no_higher_than_torchs_partitioner(name):
+    """Hugging Face's own gradient_checkpointing_enable(), the whole model compiled: the
+    backward peak at run time with our backend is no higher than with torch's partitioner
+    (the issue: GPT-2 1.9x, Llama 1.8x above it), gradients as torch's."""
+    pytest.importorskip("transformers")
+    from fixtures.models import make_hf_model
+
+    peaks, grads = {}, {}
+    for who in ("torch", "ours"):
+        model, (ids,) = make_hf_model(name, size="test")
+        model.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        backend = "aot_eager" if who == "torch" else make_backend(compiler="aot_eager")
+        torch.manual_seed(0)  # the same dropout masks in both (GPT-2 has dropout)
+        meter, grads[who] = _run(model, ids, backend)
+        peaks[who] = meter.peak("backward")
+    assert peaks["ours"] <= peaks["torch"], peaks
+    for g, r in zip(grads["ours"], grads["torch"]):
+        if r is not None:
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
