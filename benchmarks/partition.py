@@ -27,9 +27,9 @@ from fixtures.models import loss_fn, make_model  # noqa: E402
 from sac_compile import CheckpointPolicy as CP  # noqa: E402
 from sac_compile import policies, sac_region  # noqa: E402
 from sac_compile.compiler import SACPartitioner  # noqa: E402
-from sac_compile.compiler import costs  # noqa: E402
-from sac_compile.compiler.network import build_flow_network, classify  # noqa: E402
-from sac_compile.compiler.solvers import solve  # noqa: E402
+from sac_compile.cut import costs  # noqa: E402
+from sac_compile.cut.network import build_flow_network, classify  # noqa: E402
+from sac_compile.cut.solvers import solve  # noqa: E402
 from sac_compile.report import fmt_bytes  # noqa: E402
 
 

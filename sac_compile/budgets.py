@@ -1,7 +1,7 @@
 """A region's memory budget, as ``sac_region(policy, memory_budget=...)`` and
 ``apply_regions(..., memory_budget=...)`` give it: the value and what the runtime learns.
 
-One meaning everywhere, :func:`sac_compile.compiler.budget.check_budget`'s (the same as
+One meaning everywhere, :func:`check_budget`'s (the same as
 ``make_backend(memory_budget=...)``): a float in (0, 1] is a fraction of the activation bytes
 the region keeps without a budget (the cut of the same flow network at no budget); an int
 >= 2 or a string such as ``"64MiB"`` is bytes. On ``sac_region`` the budget is the region's
@@ -15,6 +15,8 @@ regions with different budgets never share a split.
 """
 from __future__ import annotations
 
+import math
+import re
 import threading
 from typing import Any
 
@@ -23,7 +25,7 @@ __all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key"]
 
 class ModelBudget:
     """One byte budget shared by the regions ``apply_regions`` made: the price per byte
-    (the Lagrange multiplier of :mod:`sac_compile.compiler.budget`'s search) found once
+    (the Lagrange multiplier of :mod:`sac_compile.cut.budget`'s search) found once
     over all of them, and each region's share. ``members``: the regions' names."""
 
     def __init__(self, nbytes: int, members: tuple[str, ...] = ()) -> None:
@@ -39,7 +41,6 @@ class ModelBudget:
         self.notes: list[str] = []
 
     def __repr__(self) -> str:
-        from .compiler.budget import budget_label
         return f"ModelBudget({budget_label(self.nbytes)} for {len(self.members)} regions)"
 
     def __reduce__(self) -> Any:  # what it learnt is found again after loading
@@ -62,7 +63,6 @@ class RegionBudget:
         return budget_key(self)
 
     def __repr__(self) -> str:
-        from .compiler.budget import budget_label
         shared = f", shared by {len(self.model.members)} regions" if self.model else ""
         return f"RegionBudget({budget_label(self.value)}{shared})"
 
@@ -90,5 +90,76 @@ def region_budget(value: Any, *, what: str = "memory_budget",
     """``value`` checked (:func:`check_budget`'s rules and errors) as a region's budget."""
     if value is None:
         return None
-    from .compiler.budget import check_budget
     return RegionBudget(check_budget(value, what=what), model)
+
+
+# -- what a budget value is (one meaning everywhere) -------------------------------------
+
+def budget_label(budget: float | int) -> str:
+    """``0.5`` -> ``"50%"``, ``65536`` -> ``"64 KiB"``."""
+    from .report import fmt_bytes
+    if isinstance(budget, float):
+        return f"{budget * 100:g}%"
+    return fmt_bytes(budget)
+
+
+_HINT = ("a fraction in (0, 1] as a float (0.5 = half of the activation bytes saved "
+         "without a budget, 1.0 = all of them), or bytes as an int >= 2 or a string such as "
+         "'64MiB'")
+
+
+def check_budget(budget: Any, *, what: str = "memory_budget") -> float | int | None:
+    """``None``; a float in (0, 1] (a fraction); an int >= 2 or a string with a unit
+    (bytes). Anything else: a ``ValueError`` whose message starts with ``what`` and says
+    what to pass instead."""
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        return parse_budget_text(budget, what=what)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{what} must be {_HINT}; got {budget!r} of type "
+                         f"{type(budget).__name__}")
+    if isinstance(budget, float):
+        if math.isnan(budget) or math.isinf(budget):
+            raise ValueError(f"{what}={budget!r} is not a budget: pass {_HINT}")
+        if budget > 1.0:
+            fix = f"give bytes as an int (e.g. {what}={int(budget)})" if budget >= 2 else \
+                f"pass 1.0 for 100%, or bytes as an int >= 2"
+            raise ValueError(f"{what}={budget!r}: a float is a fraction and must lie in "
+                             f"(0, 1]; {fix}")
+        if budget <= 0.0:
+            raise ValueError(f"{what}={budget!r}: a fraction must lie in (0, 1]; pass {_HINT}")
+        return budget
+    if budget == 1:
+        raise ValueError(f"{what}=1 is ambiguous: did you mean 1.0 (100%) or 1 byte? pass "
+                         f"1.0, or bytes as an int >= 2 / a string '64MiB'")
+    if budget < 1:
+        raise ValueError(f"{what}={budget!r}: a byte count must be >= 2 (pass {_HINT})")
+    return budget
+
+
+_UNITS = {"b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_NUMBER = re.compile(r"\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_budget_text(text: str, *, what: str = "memory_budget") -> float | int:
+    """A budget written as text (the CLI's ``--budget``, or a string in Python), read as
+    the Python literal it looks like: ``"0.5"``, ``"1.0"`` -> a fraction; ``"65536"`` ->
+    bytes; a unit makes bytes (``"64MiB"``, ``"2k"``); then :func:`check_budget`'s rules."""
+    m = _NUMBER.fullmatch(text)
+    if not m:
+        raise ValueError(f"{what} {text!r} is not a number: pass {_HINT}")
+    number, unit = m.group(1), m.group(2).lower()
+    if unit not in _UNITS and unit:
+        raise ValueError(f"{what} {text!r}: unknown unit {m.group(2)!r}; pass {_HINT} "
+                         f"(units: B, k, M, G, KiB, MiB, GiB)")
+    value = float(number)
+    if unit:
+        nbytes = value * _UNITS[unit]
+        if not math.isfinite(nbytes) or nbytes < 1 or nbytes != int(nbytes):
+            raise ValueError(f"{what} {text!r} is not a whole number of bytes >= 1; "
+                             f"pass {_HINT}")
+        return int(nbytes)
+    is_int = re.fullmatch(r"[-+]?[0-9]+", number) is not None
+    return check_budget(int(number) if is_int else value, what=what)

@@ -13,7 +13,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from .per_call import PerCall, build as build_per_call
 from .policy import PolicyLike, RegionFrame, normalize_policy
 from .region_run import run_region
-from .regions import _check_target, _region_name
+from .region_names import _check_target, _region_name
 
 __all__ = ["checkpoint"]
 

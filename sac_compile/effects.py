@@ -2,7 +2,7 @@
 
 One predicate for both modes. Eager: the runtime keeps the outputs of such an op (counted
 as saved, reason "collective: not replayed") instead of replaying it in backward, unless
-the policy says MUST_RECOMPUTE. Compiled: the cut (``compiler/network.py``) bans recomputing
+the policy says MUST_RECOMPUTE. Compiled: the cut (``cut/network.py``) bans recomputing
 them under the same condition.
 
 Replaying a collective in backward re-issues it: one more round of communication, and a
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..policy import CheckpointPolicy, Decision
+from .policy import CheckpointPolicy, Decision
 
 # Namespaces whose every op talks to other ranks: functional collectives (the autograd
 # variants too) and the process-group ops that torch.distributed dispatches

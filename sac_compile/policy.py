@@ -7,15 +7,14 @@ the same decision in both modes.
 from __future__ import annotations
 
 import dataclasses
-import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from .errors import CheckpointError
+from .op_names import expand_ops, op_names, op_qualname, resolve_op  # noqa: F401 (re-exported)
 
 CheckpointPolicy = _torch_checkpoint.CheckpointPolicy
 
@@ -185,21 +184,6 @@ def op_name(op: Any) -> str:
 # Policy forms
 # --------------------------------------------------------------------------------------
 
-def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
-    """OpOverloads as given; an OpOverloadPacket stands for all of its overloads."""
-    out: set[Any] = set()
-    for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
-            out.update(getattr(op, name) for name in op.overloads())
-        elif isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            out.add(op)
-        else:
-            raise TypeError(
-                f"{what}: expected ATen ops such as torch.ops.aten.mm.default or "
-                f"torch.ops.aten.mm, got {op!r} of type {type(op).__name__}")
-    return frozenset(out)
-
-
 class PolicyValue:
     """Base of the library's policies (the presets of :mod:`.policies`, the op-list form):
     frozen dataclasses, so a policy is a value - it hashes, compares and pickles by what it
@@ -212,35 +196,6 @@ class PolicyValue:
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
-
-
-def op_qualname(op: Any) -> str:
-    """An op's name that :func:`resolve_op` turns back into the op in any process:
-    ``aten.mm.default``; a higher-order op is ``higher_order.<name>``."""
-    if isinstance(op, torch._ops.HigherOrderOperator):
-        return f"higher_order.{op.name()}"
-    return str(op)
-
-
-_RESOLVED: dict[str, Any] = {}
-
-
-def resolve_op(qualname: str) -> Any:
-    """The op :func:`op_qualname` named."""
-    op = _RESOLVED.get(qualname)
-    if op is None:
-        namespace, *rest = qualname.split(".")
-        op = getattr(torch.ops, namespace)
-        for part in rest:
-            op = getattr(op, part)
-        _RESOLVED[qualname] = op
-    return op
-
-
-def op_names(ops: Iterable[Any], *, what: str) -> tuple[str, ...]:
-    """The sorted qualified names of ``ops`` (packets expanded to their overloads): how a
-    policy value holds ops, so that it pickles and compares by name."""
-    return tuple(sorted(op_qualname(op) for op in expand_ops(ops, what=what)))
 
 
 class OpSetPolicy(PolicyValue):
@@ -466,61 +421,3 @@ def foreign_tensor_message(what: str, region: str) -> str:
     return (f"{what} in region {region!r} got a tensor that no op of the region produced (an "
             f"input, a parameter, or a value from outside); apply it to the output of the op "
             f"you mean, inside the region")
-
-
-# --------------------------------------------------------------------------------------
-# The inert-policy warning (both modes)
-# --------------------------------------------------------------------------------------
-
-class DecidedOp(NamedTuple):
-    """One op of a region call and its decision (the compiler's form of an eager OpNode)."""
-
-    frames: tuple[RegionFrame, ...]
-    op: Any
-    decision: Decision
-
-
-# Policies already checked by warn_inert_policies (each is checked on its first region call,
-# eager or compiled).
-_CHECKED_POLICIES: weakref.WeakSet = weakref.WeakSet()
-
-
-def _unchecked(policy: Any) -> bool:
-    try:
-        weakref.ref(policy)
-    except TypeError:  # not weak-referenceable: never checked
-        return False
-    return policy not in _CHECKED_POLICIES
-
-
-def warn_inert_policies(decided: Iterable[Any]) -> None:
-    """Warn once per policy function whose region ran ops but which decided nothing: every
-    op of its region ended PREFER_RECOMPUTE. Usually it compares ``op`` with a packet
-    (``op == torch.ops.aten.mm``) while it is called with overloads (``aten.mm.default``).
-    ``decided``: the region call's ops, anything with ``frames``, ``op`` and ``decision``."""
-    counts: dict[int, list[Any]] = {}
-    last = None
-    fresh: list[RegionFrame] = []
-    for node in decided:
-        if node.frames is not last:
-            last = node.frames
-            fresh = [f for f in last
-                     if not isinstance(f.policy, PolicyValue) and _unchecked(f.policy)]
-        for frame in fresh:
-            entry = counts.setdefault(id(frame.policy), [frame, 0, set(), False])
-            entry[1] += 1
-            entry[2].add(op_name(node.op))
-            if node.decision.policy is not PREFER_RECOMPUTE or node.decision.source == "tag":
-                entry[3] = True
-    for frame, n, ops, was_decided in counts.values():
-        _CHECKED_POLICIES.add(frame.policy)
-        if was_decided or not n:
-            continue
-        some = ", ".join(sorted(ops)[:4]) + (", ..." if len(ops) > 4 else "")
-        warnings.warn(
-            f"the policy {getattr(frame.policy, '__name__', frame.policy)!r} of region "
-            f"{frame.name!r} decided nothing for any of the region's {n} ops ({some}): every "
-            f"one is PREFER_RECOMPUTE, as with 'recompute_all'. A policy is called with op "
-            f"overloads such as torch.ops.aten.mm.default; if it compares with a packet "
-            f"(op == torch.ops.aten.mm), compare op.overloadpacket or list the overload "
-            f"(warned once per policy)", stacklevel=2)

@@ -6,10 +6,8 @@ under ``torch.compile`` through the compiler's region support (:mod:`.region_run
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import threading
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,9 +15,10 @@ import torch
 from torch import nn
 
 from . import runtime
-from .module_regions import RegionConfig, module_class, wrap_module
+from .module_regions import RegionConfig, wrap_module
 from .budgets import ModelBudget, RegionBudget, region_budget
 from .region_groups import frame_in_group
+from .region_names import _check_target, _region_name
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
                      SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
@@ -27,79 +26,9 @@ from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, Reg
 
 T = TypeVar("T")
 
-_HAS_CO_QUALNAME = sys.version_info >= (3, 11)
-
-
-# --------------------------------------------------------------------------------------
-# Default region names: one rule, the same value in eager mode and while dynamo traces
-# --------------------------------------------------------------------------------------
-
-def _region_name(target: Any) -> str:
-    """The default name of a region for ``target``.
-
-    A module: its class name. A ``functools.partial``: the name of what it calls. A bound
-    method: its function's. A Python function: its ``__qualname__``, after following
-    ``__wrapped__`` (``functools.wraps``) to the function that was wrapped, read from the
-    code object (``co_qualname``): dynamo reads a function's ``__qualname__`` from its type
-    (``<attribute '__qualname__' of 'function' objects>``) while it traces, and a policy
-    keyed on ``ctx.region`` must see the same name in both modes. (A ``__qualname__``
-    assigned by hand, without ``functools.wraps``, is therefore not used.) A builtin such as
-    ``torch.sin``: its ``__name__``. Anything else: its type's name.
-    """
-    if isinstance(target, nn.Module):
-        return module_class(target).__name__
-    if isinstance(target, functools.partial):
-        return _region_name(target.func)
-    func = target
-    if isinstance(target, types.MethodType):  # a bound method: its function
-        # (direct attribute reads: dynamo's hasattr/getattr-with-default miss __self__)
-        func, owner = target.__func__, target.__self__
-        if getattr(func, "_sac_region_forward", False) and isinstance(owner, nn.Module):
-            func = module_class(owner).forward  # a wrapped module's forward: its class's
-    for _ in range(100):  # functools.wraps chains; bounded against a cycle
-        if not hasattr(func, "__wrapped__"):
-            break
-        func = func.__wrapped__
-    if isinstance(func, (nn.Module, functools.partial)):
-        return _region_name(func)
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        if _HAS_CO_QUALNAME:
-            return code.co_qualname
-        value = getattr(func, "__qualname__", None)  # Python 3.10: right in eager mode
-        if isinstance(value, str):
-            return value
-    value = getattr(func, "__name__", None)  # a builtin (torch.sin): "sin"
-    if isinstance(value, str):
-        return value
-    return type(target).__name__
-
-
 # --------------------------------------------------------------------------------------
 # sac_region
 # --------------------------------------------------------------------------------------
-
-def _check_target(target: Any) -> None:
-    """TypeErrors for what a region cannot wrap (it would checkpoint nothing)."""
-    if isinstance(target, type):
-        name = target.__name__
-        if issubclass(target, nn.Module):
-            raise TypeError(
-                f"sac_region(...) was applied to the class {name}, which would checkpoint "
-                f"nothing; apply it to an instance, sac_region(policy)({name}(...)), or "
-                f"decorate the class's forward method with @sac_region(policy)")
-        raise TypeError(f"sac_region(...) was applied to the class {name}; it decorates a "
-                        f"function or is applied to an nn.Module instance")
-    kind = ("an async generator function" if inspect.isasyncgenfunction(target) else
-            "an async function" if inspect.iscoroutinefunction(target) else
-            "a generator function" if inspect.isgeneratorfunction(target) else None)
-    if kind is not None:
-        raise TypeError(
-            f"sac_region/checkpoint got {kind} {_region_name(target)!r}: calling it returns "
-            f"before its body runs, so the region would checkpoint nothing. A region must be "
-            f"a function that computes and returns tensors; move the tensor computation into "
-            f"a plain function and make that the region")
-
 
 class sac_region:  # noqa: N801 - used like a decorator/context manager, as torch's are
     """A selective-checkpointing region with ``policy``.

@@ -113,7 +113,7 @@ def test_attention_without_dropout_is_not_a_random_op():
 
 
 def test_which_ops_are_random():
-    from sac_compile.compiler.costs import is_random
+    from sac_compile.cut.costs import is_random
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

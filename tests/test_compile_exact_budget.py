@@ -12,9 +12,9 @@ import torch
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
-from sac_compile.compiler import budget as budget_mod
+from sac_compile.cut import budget as budget_mod
 from sac_compile.compiler import make_backend, partition
-from sac_compile.compiler.exact import ExactProblem, brute_force, solve_exact
+from sac_compile.cut.exact import ExactProblem, brute_force, solve_exact
 
 pytest.importorskip("scipy.optimize", reason="the exact program needs scipy's milp")
 INF = math.inf

@@ -12,7 +12,7 @@ from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, refere
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
 from sac_compile.compiler import SACPartitioner, make_backend
-from sac_compile.compiler.network import CostModel
+from sac_compile.cut.network import CostModel
 
 aten = torch.ops.aten
 

@@ -80,7 +80,7 @@ def test_torch_sac_run_by_the_report_is_quiet_too():
 SCRIPT_SOLVER_OUTPUT = textwrap.dedent("""
     import json, logging, math
     import scipy.optimize
-    from sac_compile.compiler import exact
+    from sac_compile.cut import exact
 
     real_milp = scipy.optimize.milp
 
@@ -109,7 +109,7 @@ SCRIPT_SOLVER_OUTPUT = textwrap.dedent("""
 def test_the_milp_solvers_own_output_goes_to_our_debug_log_not_the_terminal():
     """A budgeted compile printed HiGHS's C++ lines (``HighsMipSolverData::...``) on the
     user's terminal: they are printf, not governed by ``disp``. Whatever the solver prints
-    on file descriptor 1 now becomes DEBUG records of ``sac_compile.compiler.exact``."""
+    on file descriptor 1 now becomes DEBUG records of ``sac_compile.cut.exact``."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT_SOLVER_OUTPUT], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,5 +118,5 @@ def test_the_milp_solvers_own_output_goes_to_our_debug_log_not_the_terminal():
     kept, recomputed, count, loggers, levels = json.loads(lines[0].split(" ", 1)[1])
     assert (kept, recomputed) == ([0, 2], [1])       # keeps b (and the input), recomputes a
     assert count > 5                                 # HiGHS's banner, its presolve, ...
-    assert (loggers, levels) == (["sac_compile.compiler.exact"], ["DEBUG"])
+    assert (loggers, levels) == (["sac_compile.cut.exact"], ["DEBUG"])
     assert "HiGHS" not in proc.stderr

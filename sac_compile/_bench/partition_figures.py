@@ -81,7 +81,7 @@ def _record_upstream(figures: PartitionFigures, gm: torch.fx.GraphModule, joint_
                      **kwargs: Any) -> Any:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from ..compiler import costs
+    from ..cut import costs
     from ..compiler.final_graphs import recomputed_names
     from ..compiler.peak import estimate_peak
     static_idx = set(kwargs.get("static_lifetime_input_indices") or ())

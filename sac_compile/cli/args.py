@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_budget(text: str) -> float | int:
     """``"0.5"``, ``"1.0"`` -> a fraction in (0, 1]; ``"65536"``, ``"64MiB"`` -> bytes (int).
     The same rule as ``memory_budget`` in Python
-    (:func:`sac_compile.compiler.budget.parse_budget_text`): ``"1"`` is refused (100% or
+    (:func:`sac_compile.budgets.parse_budget_text`): ``"1"`` is refused (100% or
     one byte?), as are 0, negatives and floats above 1."""
-    from ..compiler.budget import parse_budget_text
+    from ..budgets import parse_budget_text
     try:
         return parse_budget_text(text, what="--budget")
     except ValueError as e:

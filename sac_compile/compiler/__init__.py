@@ -24,7 +24,7 @@ Modules, one concern each:
 """
 from . import regions_compiled  # noqa: F401  (quiets torch's context_fn warning for our regions)
 from .backend import make_backend, sac_backend
-from .network import CostModel
+from ..cut.network import CostModel
 from .named_backends import register as _register_backend_names
 from .partition import SACPartitioner
 

@@ -33,10 +33,10 @@ import torch.fx as fx
 
 from ..policy import CheckpointError, CheckpointPolicy
 from ..report import fmt_bytes
-from . import costs
-from .network import INF, Classification, FlowNetwork
+from ..cut import costs
+from ..cut.network import INF, Classification, FlowNetwork
 from .peak import cut_peak, storage_base
-from .reasons import Reason, ReasonKind
+from ..cut.reasons import Reason, ReasonKind
 
 __all__ = ["region_call", "boundary_values", "with_floor", "solve_lowering_peak", "BOUNDARY_KEY"]
 

@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import costs
+from ..cut import costs
 
 __all__ = ["recomputed_names", "rng_replays", "replayed_values"]
 

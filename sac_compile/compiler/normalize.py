@@ -49,9 +49,9 @@ from torch._ops import OpOverload
 
 from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide, \
     resolve_decision
-from .costs import is_view
+from ..cut.costs import is_view
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
-from .roles import Role, node_role
+from ..cut.roles import Role, node_role
 from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",

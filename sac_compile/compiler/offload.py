@@ -174,7 +174,7 @@ def refusal(fw_node: fx.Node, fwd_outputs: Iterable[fx.Node], num_fwd_outputs: i
     if api.can_offload(fw_node, OrderedSet(outs), OrderedSet(outs[:num_fwd_outputs]),
                        OrderedSet(static)):
         return None
-    from . import costs
+    from ..cut import costs
     val = fw_node.meta.get("val")
     if fw_node in outs[:num_fwd_outputs]:
         return "it is also an output of the compiled graph (the caller holds it)"

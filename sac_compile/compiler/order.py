@@ -13,7 +13,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .roles import Role, node_role
+from ..cut.roles import Role, node_role
 
 __all__ = ["raise_getitems_in_place", "reorder_like_autograd"]
 

@@ -26,20 +26,21 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..policy import CheckpointPolicy
 from ..logs import partition_log
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
-from . import costs
+from ..cut import costs
 from .boundaries import BOUNDARY_KEY, solve_lowering_peak
-from .budget import budget_label, check_budget, solve_with_budget
-from .network import CostModel, build_flow_network, classify
-from .region_budgets import (region_budget_annotations, solve_with_region_budgets,
+from ..cut.budget import budget_label, check_budget, solve_with_budget
+from ..cut.network import CostModel, build_flow_network, classify
+from ..cut.region_budgets import (region_budget_annotations, solve_with_region_budgets,
                              torch_global_budget)
 from .final_graphs import recomputed_names, replayed_values, rng_replays
 from .normalize import normalize_tags
 from .order import raise_getitems_in_place, reorder_like_autograd
 from .peak import REPLAYED_VALS, estimate_peak
-from .reasons import Reason, ReasonKind
-from .roles import Role, node_role, static_inputs
-from .solvers import default_solver, solve
+from ..cut.reasons import Reason, ReasonKind
+from ..cut.roles import Role, node_role, static_inputs
+from ..cut.solvers import default_solver, solve
 from .tagging import META_KEYS
+from .who_splits import register_partitioner
 
 __all__ = ["SACPartitioner"]
 
@@ -61,6 +62,7 @@ def _code_hash() -> str:
     return get_hash_for_files(tuple(files)).hex()
 
 
+@register_partitioner
 class SACPartitioner(CustomPartitionerFn):
     """Partition a joint graph by its SAC tags with a min-cut.
 
@@ -175,7 +177,7 @@ class SACPartitioner(CustomPartitionerFn):
         net = build_flow_network(gm, cls, self.cost_model, static_inputs=static,
                                  rng_functionalized=True, packed_bytes=packed_sizes(gm),
                                  can_offload=_offload_pass_available(gm))
-        from .stand_ins import keep_stand_ins_off_device  # offloaded: nor what stands in
+        from ..cut.stand_ins import keep_stand_ins_off_device  # offloaded: nor what stands in
         stand_ins = keep_stand_ins_off_device(net)
         if stand_ins:
             report.notes.append(

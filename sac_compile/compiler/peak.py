@@ -34,8 +34,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..report import MemoryPeak
-from . import costs
-from .roles import Role, node_role
+from ..cut import costs
+from ..cut.roles import Role, node_role
 
 __all__ = ["estimate_peak", "cut_peak", "storage_base", "REPLAYED_VALS"]
 

@@ -19,7 +19,7 @@ import torch
 
 from ..per_call import build
 from ..policy import CheckpointError, RegionFrame
-from .regions_compiled import note_eager_fallback, torch_checkpoint
+from .regions_compiled import OUR_CONTEXT_FNS, note_eager_fallback, torch_checkpoint
 from .tagging import frame_contexts, reraise_compiled, take_eager_entry
 
 __all__ = ["checkpoint_per_call", "per_call_contexts"]
@@ -55,3 +55,6 @@ def _body(name: str, make: Any, kind: str, fn: Callable[..., Any], *args: Any,
     policy, allow = build(make, kind, name)
     with runtime.eager_region(RegionFrame(name, policy), allow):
         return fn(*args, **kwargs)
+
+
+OUR_CONTEXT_FNS.append(per_call_contexts)  # torch's context_fn warning: ours, quiet

@@ -284,10 +284,13 @@ def torch_sac_contexts(policy: Any) -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
+#: Other context functions of ours (the per-call form registers its own on import).
+OUR_CONTEXT_FNS: list[Any] = [torch_sac_contexts]
+
+
 def _is_ours(context_fn: Any) -> bool:
-    from .per_call_regions import per_call_contexts
     return context_fn_kind(context_fn) is not None or \
-        getattr(context_fn, "func", None) in (torch_sac_contexts, per_call_contexts)
+        getattr(context_fn, "func", None) in OUR_CONTEXT_FNS
 
 
 def quiet_torch_context_fn_warning() -> None:

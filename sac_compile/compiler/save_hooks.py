@@ -51,7 +51,7 @@ class TracedHooks:
 
 
 def _bytes(t: torch.Tensor) -> int:
-    from . import costs
+    from ..cut import costs
     return costs._tensor_bytes(t)
 
 
@@ -133,7 +133,7 @@ def _output_vals(gm: fx.GraphModule) -> list[Any]:
 
 def _effective_users(node: fx.Node) -> list[fx.Node]:
     """Users of ``node`` in its graph, views standing for their own users."""
-    from . import costs
+    from ..cut import costs
     out, stack = [], [node]
     while stack:
         n = stack.pop()

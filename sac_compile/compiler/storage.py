@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..errors import CompiledCheckpointError
 from ..policy import CheckpointPolicy, Decision
 from ..report import fmt_bytes
-from . import costs
+from ..cut import costs
 
 __all__ = ["extract_with_storage", "annotate_report", "StorageNote",
            "packed_sizes"]
@@ -209,7 +209,7 @@ def _apply(gm: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, saved_nam
         elif d.name in {n.name for n in fw.graph.nodes}:
             unkept.append(d)
     # What the split keeps on the device computed from a value it does not keep.
-    from .stand_ins import kept_in_place
+    from ..cut.stand_ins import kept_in_place
     on_device = {name for name in kept if name not in host and name not in items}
     summary: dict[str, Any] = {"unkept": [
         f"{d.name} ({_decision_label(d)})" for d in unkept],

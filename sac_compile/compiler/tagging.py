@@ -60,9 +60,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from ..errors import CompiledCheckpointError, reraise_compiled
 from ..logs import warn_once_per_region
 from ..per_call import fresh_frame
-from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, DecidedOp, Decision,
-                      RegionFrame, decide, foreign_tensor_message, region_reads,
-                      warn_inert_policies)
+from ..inert_policies import DecidedOp, warn_inert_policies
+from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decision,
+                      RegionFrame, decide, foreign_tensor_message, region_reads)
 from ..region_groups import RegionGroup, group_of_token, split_by_name
 from ..markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import is_joint_graph
@@ -192,7 +192,7 @@ class SACTaggingMode(TorchDispatchMode):
             node.meta["sac_op"] = func  # the op the policies were asked about
             node.meta["sac_region_id"] = self.region_id
             node.meta["sac_outer_region_id"] = stack[0].region_id
-            if budgets:  # memory budgets of the active regions (compiler/region_budgets.py)
+            if budgets:  # memory budgets of the active regions (cut/region_budgets.py)
                 node.meta["sac_region_budgets"] = budgets
             node.meta["ac_graph_id"] = self.ac_graph_id if self.ac_graph_id is not None \
                 else self.region_id

@@ -23,7 +23,16 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["sac_partitioning", "partitioned_by_us", "splits_with_sac"]
+__all__ = ["sac_partitioning", "partitioned_by_us", "splits_with_sac", "register_partitioner"]
+
+#: Our partitioner's class, registered by :mod:`.partition` when it is defined (this module
+#: sits below the partitioner: the tagging mode asks it while a graph is traced).
+_PARTITIONER_TYPES: list[type] = []
+
+
+def register_partitioner(cls: type) -> type:
+    _PARTITIONER_TYPES.append(cls)
+    return cls
 
 _state = threading.local()
 
@@ -68,7 +77,7 @@ _DEPTH = 4  # wrappers of wrappers: how far references are followed
 
 def splits_with_sac(fn: Any) -> bool:
     """Whether ``fn`` is an ``SACPartitioner`` or a wrapper that holds or names one."""
-    from .partition import SACPartitioner
+    SACPartitioner = _PARTITIONER_TYPES[0] if _PARTITIONER_TYPES else type(None)
     seen: set[int] = set()
 
     def refers(obj: Any, depth: int) -> bool:

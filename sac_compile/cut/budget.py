@@ -34,19 +34,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import re
 import time
 from typing import Any
 
 import torch.fx as fx
 
+from ..budgets import budget_label, check_budget  # noqa: F401  (re-exported)
 from ..errors import CompiledCheckpointError
 from . import costs
 from .network import INF, FlowNetwork
 from .reasons import ReasonKind, kind_of
 from .solvers import source_side
 
-__all__ = ["check_budget", "parse_budget_text", "budget_label", "solve_with_budget",
+__all__ = ["check_budget", "budget_label", "solve_with_budget",
            "BudgetResult"]
 
 BISECT_STEPS = 18
@@ -69,76 +69,6 @@ class BudgetResult:
     cost: float = 0.0                    # its recompute + offload + kept-input cost
     lagrangian_cost: float = 0.0         # the same for the Lagrangian search's cut
     lifted: list[fx.Node] = dataclasses.field(default_factory=list)  # upstream bans lifted
-
-
-def budget_label(budget: float | int) -> str:
-    """``0.5`` -> ``"50%"``, ``65536`` -> ``"64 KiB"``."""
-    from ..report import fmt_bytes
-    if isinstance(budget, float):
-        return f"{budget * 100:g}%"
-    return fmt_bytes(budget)
-
-
-_HINT = ("a fraction in (0, 1] as a float (0.5 = half of the activation bytes saved "
-         "without a budget, 1.0 = all of them), or bytes as an int >= 2 or a string such as "
-         "'64MiB'")
-
-
-def check_budget(budget: Any, *, what: str = "memory_budget") -> float | int | None:
-    """``None``; a float in (0, 1] (a fraction); an int >= 2 or a string with a unit
-    (bytes). Anything else: a ``ValueError`` whose message starts with ``what`` and says
-    what to pass instead."""
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        return parse_budget_text(budget, what=what)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"{what} must be {_HINT}; got {budget!r} of type "
-                         f"{type(budget).__name__}")
-    if isinstance(budget, float):
-        if math.isnan(budget) or math.isinf(budget):
-            raise ValueError(f"{what}={budget!r} is not a budget: pass {_HINT}")
-        if budget > 1.0:
-            fix = f"give bytes as an int (e.g. {what}={int(budget)})" if budget >= 2 else \
-                f"pass 1.0 for 100%, or bytes as an int >= 2"
-            raise ValueError(f"{what}={budget!r}: a float is a fraction and must lie in "
-                             f"(0, 1]; {fix}")
-        if budget <= 0.0:
-            raise ValueError(f"{what}={budget!r}: a fraction must lie in (0, 1]; pass {_HINT}")
-        return budget
-    if budget == 1:
-        raise ValueError(f"{what}=1 is ambiguous: did you mean 1.0 (100%) or 1 byte? pass "
-                         f"1.0, or bytes as an int >= 2 / a string '64MiB'")
-    if budget < 1:
-        raise ValueError(f"{what}={budget!r}: a byte count must be >= 2 (pass {_HINT})")
-    return budget
-
-
-_UNITS = {"b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-_NUMBER = re.compile(r"\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_budget_text(text: str, *, what: str = "memory_budget") -> float | int:
-    """A budget written as text (the CLI's ``--budget``, or a string in Python), read as
-    the Python literal it looks like: ``"0.5"``, ``"1.0"`` -> a fraction; ``"65536"`` ->
-    bytes; a unit makes bytes (``"64MiB"``, ``"2k"``); then :func:`check_budget`'s rules."""
-    m = _NUMBER.fullmatch(text)
-    if not m:
-        raise ValueError(f"{what} {text!r} is not a number: pass {_HINT}")
-    number, unit = m.group(1), m.group(2).lower()
-    if unit not in _UNITS and unit:
-        raise ValueError(f"{what} {text!r}: unknown unit {m.group(2)!r}; pass {_HINT} "
-                         f"(units: B, k, M, G, KiB, MiB, GiB)")
-    value = float(number)
-    if unit:
-        nbytes = value * _UNITS[unit]
-        if not math.isfinite(nbytes) or nbytes < 1 or nbytes != int(nbytes):
-            raise ValueError(f"{what} {text!r} is not a whole number of bytes >= 1; "
-                             f"pass {_HINT}")
-        return int(nbytes)
-    is_int = re.fullmatch(r"[-+]?[0-9]+", number) is not None
-    return check_budget(int(number) if is_int else value, what=what)
 
 
 def _is_activation(net: FlowNetwork, i: int) -> bool:

@@ -162,7 +162,7 @@ def solve_exact(p: ExactProblem, budget_bytes: float | None, *, time_limit: floa
         if entries:
             row(entries, -np.inf, float(group_cap) - shift)
     a = coo_array((vals, (rows, cols)), shape=(len(rlo), nvar)).tocsr()
-    with native_stdout_to_log(get_logger("compiler.exact"), "HiGHS"):  # its printf lines
+    with native_stdout_to_log(get_logger("cut.exact"), "HiGHS"):  # its printf lines
         res = milp(c, integrality=integrality, bounds=Bounds(lo, hi),
                    constraints=LinearConstraint(a, rlo, rhi),
                    options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False})

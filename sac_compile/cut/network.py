@@ -261,7 +261,7 @@ def _tie_break(v: fx.Node) -> float:
 
 def _effectful_reason(node: fx.Node) -> Reason | None:
     target = node.target
-    from ..runtime.effects import effect_reason  # one predicate for both modes
+    from ..effects import effect_reason  # one predicate for both modes
     text = effect_reason(target)
     if text is not None:
         return Reason(ReasonKind.EFFECTFUL, text)

@@ -1,6 +1,6 @@
 """A recorded region as the compiler's flow network, so that an eager memory budget is
-solved by the same code as a compiled one (:mod:`sac_compile.compiler.network`,
-:mod:`sac_compile.compiler.budget`).
+solved by the same code as a compiled one (:mod:`sac_compile.cut.network`,
+:mod:`sac_compile.cut.budget`).
 
 The region's recorded ops (:class:`~.graph.OpNode`) become an FX graph: a placeholder per
 tensor from outside the region (parameters are static inputs: they cost nothing to keep),
@@ -53,8 +53,8 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
                    packed_bytes: dict[tuple[int, int], int]) -> RegionGraph:
     """The flow network of one recorded region call. ``packed_bytes``: the packed size of
     outputs saved with ``SaveWithHooks``, by ``(id(node), output index)``."""
-    from ..compiler.network import INF, Classification, CostModel, build_flow_network
-    from ..compiler.stand_ins import keep_stand_ins_off_device
+    from ..cut.network import INF, Classification, CostModel, build_flow_network
+    from ..cut.stand_ins import keep_stand_ins_off_device
 
     g = fx.Graph()
     leaves: dict[int, fx.Node] = {}
@@ -143,3 +143,36 @@ def _meta(v: fx.Node, node: OpNode) -> None:
     # that must run in the forward (torch's rule for mutable ops in a joint graph).
     if getattr(node.op, "_schema", None) is not None and node.op._schema.is_mutable:
         v.meta["partitioner_tag"] = "is_backward"
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one region call keeps under its budget, by op number: output indices kept on
+    the device (``keep``) and on the host (``host``)."""
+
+    signature: tuple
+    keep: dict[int, tuple[int, ...]]
+    host: dict[int, tuple[int, ...]]
+    notes: list[str]
+    evicted: list[tuple[int, int, int, str]]  # (op number, output, bytes, why): not kept
+    kept_bytes: int = 0
+    unconstrained_bytes: int = 0
+    budget_bytes: float = 0.0
+    final: bool = True   # False: a whole-model budget's recording step (not reused)
+
+
+def plan_of_cut(rg: RegionGraph, kept: list[fx.Node], on_host: list[fx.Node], signature: tuple,
+                notes: list[str], evicted: list[tuple[int, int, str]], kept_bytes: int,
+                unconstrained: int, cap: float) -> Plan:
+    """A plan from a cut's kept values (placeholders are the region's inputs: not ours)."""
+    keep: dict[int, list[int]] = {}
+    host: dict[int, list[int]] = {}
+    off = set(on_host)
+    for v in kept:
+        if v not in rg.where:
+            continue
+        seq, i = rg.where[v]
+        (host if v in off else keep).setdefault(seq, []).append(i)
+    return Plan(signature, {s: tuple(i) for s, i in keep.items()},
+                {s: tuple(i) for s, i in host.items()}, notes, evicted, kept_bytes,
+                unconstrained, cap)

@@ -1,18 +1,20 @@
 """Solve one recorded region call under its memory budget: the same network and the same
-search as a compiled split (:func:`sac_compile.compiler.budget.solve_with_budget`), or, for
+search as a compiled split (:func:`sac_compile.cut.budget.solve_with_budget`), or, for
 a whole-model budget, the cut at the model's price per byte (:mod:`.model_budget`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from ..policy import CheckpointError
-from .budget_graph import RegionGraph, region_network
-from .budget_run import BudgetRun, Plan
+from .budget_graph import Plan, RegionGraph, plan_of_cut, region_network
 
-__all__ = ["solve_region", "plan_of_cut", "packed_sizes", "evicted_values"]
+if TYPE_CHECKING:  # annotations only: budget_run calls this module
+    from .budget_run import BudgetRun
+
+__all__ = ["solve_region", "packed_sizes", "evicted_values"]
 
 
 def packed_sizes(nodes: list[Any]) -> dict[tuple[int, int], int]:
@@ -52,7 +54,7 @@ def _solve(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     if run.budget.model is not None:
         from .model_budget import plan_in_model
         return plan_in_model(run, rg, signature)
-    from ..compiler.budget import budget_label, solve_with_budget
+    from ..cut.budget import budget_label, solve_with_budget
     try:
         res = solve_with_budget(rg.net, run.budget.value)
     except CheckpointError as e:
@@ -71,29 +73,12 @@ def _solve(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
                        res.activation_bytes, res.unconstrained_bytes, res.budget_bytes)
 
 
-def plan_of_cut(rg: RegionGraph, kept: list[fx.Node], on_host: list[fx.Node], signature: tuple,
-                notes: list[str], evicted: list[tuple[int, int, str]], kept_bytes: int,
-                unconstrained: int, cap: float) -> Plan:
-    """A plan from a cut's kept values (placeholders are the region's inputs: not ours)."""
-    keep: dict[int, list[int]] = {}
-    host: dict[int, list[int]] = {}
-    off = set(on_host)
-    for v in kept:
-        if v not in rg.where:
-            continue
-        seq, i = rg.where[v]
-        (host if v in off else keep).setdefault(seq, []).append(i)
-    return Plan(signature, {s: tuple(i) for s, i in keep.items()},
-                {s: tuple(i) for s, i in host.items()}, notes, evicted, kept_bytes,
-                unconstrained, cap)
-
-
 def evicted_values(rg: RegionGraph, evicted: list[fx.Node], budget: Any
                    ) -> list[tuple[int, int, int, str]]:
     """``(op number, output, bytes, why)`` of each value the cut without a budget keeps and
     the budget's cut does not."""
-    from ..compiler import costs
-    from ..compiler.budget import budget_label
+    from ..cut import costs
+    from ..cut.budget import budget_label
     out = []
     for v in evicted:
         if v not in rg.where:

@@ -9,7 +9,7 @@ applied: the values it keeps are saved (on the host where it offloads them), the
 recomputed in backward from what is kept - also the policy's PREFER_SAVEs the budget evicts.
 
 A plan (:class:`Plan`) is the cut of the region's flow network (:mod:`.budget_graph`)
-under the budget, found by :func:`sac_compile.compiler.budget.solve_with_budget`: MUST
+under the budget, found by :func:`sac_compile.cut.budget.solve_with_budget`: MUST
 decisions stay hard, a recomputed random op keeps its RNG state, and a budget out of reach
 is the compiler's ``CheckpointError``. It is keyed by the recorded ops, their output shapes
 and dtypes and the policy's decisions: a different shape (or op sequence) plans again.
@@ -23,6 +23,7 @@ import torch
 
 from ..budgets import RegionBudget
 from ..policy import CheckpointError, CheckpointPolicy, Decision, op_name
+from .budget_graph import Plan
 from .graph import OpNode, nbytes, storage_key
 from .stats import SavedValueRecord
 
@@ -40,22 +41,6 @@ class BudgetDecision(Decision):
 
     def reason(self) -> str:
         return self.label_text
-
-
-@dataclasses.dataclass
-class Plan:
-    """What one region call keeps under its budget, by op number: output indices kept on
-    the device (``keep``) and on the host (``host``)."""
-
-    signature: tuple
-    keep: dict[int, tuple[int, ...]]
-    host: dict[int, tuple[int, ...]]
-    notes: list[str]
-    evicted: list[tuple[int, int, int, str]]  # (op number, output, bytes, why): not kept
-    kept_bytes: int = 0
-    unconstrained_bytes: int = 0
-    budget_bytes: float = 0.0
-    final: bool = True   # False: a whole-model budget's recording step (not reused)
 
 
 def _entry(node: OpNode) -> tuple:
@@ -157,7 +142,7 @@ class BudgetRun:
         return records
 
     def _why(self, plan: Plan, kept: bool) -> str:
-        from ..compiler.budget import budget_label
+        from ..cut.budget import budget_label
         what = "kept by" if kept else "recomputed in backward under"
         return (f"{what} the memory budget {budget_label(self.budget.value)} of region "
                 f"{self.region!r} (the cut of the region's flow network; "

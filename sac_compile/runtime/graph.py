@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..policy import Decision, Opinion, op_name
-from .effects import effect_reason, is_process_group_collective
+from ..effects import effect_reason, is_process_group_collective
 from .stats import EagerStats
 
 _NON_DIFF_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,

@@ -3,7 +3,7 @@
 Step 1 records: each region call is cut as without a budget and its flow network is kept
 (no tensors) in the :class:`~sac_compile.budgets.ModelBudget`. When the first region
 recorded runs again (the next step), one price per byte is found over all the recorded
-networks together (:func:`sac_compile.compiler.shared_budget.solve_shared_price`), each
+networks together (:func:`sac_compile.cut.shared_budget.solve_shared_price`), each
 region's plan is its cut at that price, and from then on every region applies its plan:
 no solve per step. A call whose ops or shapes match no plan starts a new recording step
 (a shape change re-solves). The first step keeps what the regions keep without a budget:
@@ -12,14 +12,17 @@ the report says so.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
 from ..budgets import ModelBudget, RegionBudget
 from ..policy import CheckpointError
 from .budget_graph import RegionGraph
-from .budget_run import BudgetRun, Plan
+from .budget_graph import Plan, plan_of_cut
+
+if TYPE_CHECKING:  # annotations only: budget_run calls this module
+    from .budget_run import BudgetRun
 
 __all__ = ["on_region_entry", "plan_in_model"]
 
@@ -46,9 +49,9 @@ def on_region_entry(budget: RegionBudget, region: str) -> None:
 def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     """The plan of a call no stored plan matches: its cut without a budget, recorded for
     the next price (a new recording step if a price was already found)."""
-    from ..compiler import costs
-    from ..compiler.budget import budget_label
-    from ..compiler.solvers import solve
+    from ..cut import costs
+    from ..cut.budget import budget_label
+    from ..cut.solvers import solve
     model = run.budget.model
     with model.lock:
         if model.weight is not None:  # new shapes or ops: record a new step
@@ -59,10 +62,9 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
         model.pending.append(_Recorded(
             run.region, run.budget, signature, rg.net, dict(rg.where),
             {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}))
-    from ..compiler.budget import _activation_bytes
+    from ..cut.budget import _activation_bytes
     saved, _ = solve(rg.net)
     nbytes = _activation_bytes(rg.net, saved)
-    from .budget_plan import plan_of_cut
     note = (f"whole-model memory budget {budget_label(model.nbytes)}: recording step (this "
             f"call keeps what it keeps without a budget, {nbytes:,} B); the price per byte "
             f"over all {len(model.members)} regions is found when the first region runs again")
@@ -73,9 +75,8 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
 
 
 def _solve(model: ModelBudget) -> None:
-    from ..compiler.budget import budget_label
-    from ..compiler.shared_budget import solve_shared_price
-    from .budget_plan import plan_of_cut
+    from ..cut.budget import budget_label
+    from ..cut.shared_budget import solve_shared_price
     pending = model.pending
     try:
         price = solve_shared_price([r.net for r in pending], float(model.nbytes))
@@ -114,7 +115,7 @@ def _solve(model: ModelBudget) -> None:
 
 
 def _kept_unconstrained(net: Any) -> list[fx.Node]:
-    from ..compiler.budget import _is_activation
-    from ..compiler.solvers import solve
+    from ..cut.budget import _is_activation
+    from ..cut.solvers import solve
     saved, _ = solve(net)
     return [v for v in saved if _is_activation(net, net.cls.index[v])]

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..policy import (CheckpointError, CheckpointPolicy, Decision, DecidedOp, Opinion,
-                      RegionFrame, decide, make_decider, op_name, warn_inert_policies)
-from .effects import KeptDecision, kept_decision
+from ..inert_policies import DecidedOp, warn_inert_policies
+from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
+                      make_decider, op_name)
+from ..effects import KeptDecision, kept_decision
 from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, ReplayContext,
                     SavedHandle, flat_outputs, map_refs, mutated_tensors, nbytes,
                     needs_detach, op_info, storage_key)
