@@ -781,3 +781,236 @@ def boundary_programs(draw: Any, *, features: frozenset | tuple = FEATURES, max_
     ``exclude``: op keys (OPS, BOUNDARY_OPS) never drawn."""
     return _BGen(draw, features=frozenset(features), max_top=max_top, max_body=max_body,
                  max_depth=max_depth, exclude=frozenset(exclude)).program()
+
+
+# ======================================================================================
+# The cache family: policies that read a value, and a persistent cache shared across
+# processes (harness.check_cache_batch)
+# ======================================================================================
+#
+# A cache program is a module (written to a file, imported by name, so that its policy has
+# source and a stable qualified name, as a user's has) defining ``POLICY``, ``body(x, y, w,
+# b)`` (plain ops, no regions) and ``region``, ``body`` made a region with ``POLICY``. The
+# policy decides one drawn op (``TARGET``) by a value it reads; every other op gets one drawn
+# opinion (``OTHERS``). Where the value comes from is the *kind*, one of CACHE_KINDS; which
+# value it is depends on the environment variable SAC_FUZZ_CACHE_PHASE (0: the first
+# process's value, 1: the second's, always different). The harness compiles it in one
+# process, then in another with the other value and the same TORCHINDUCTOR_CACHE_DIR:
+# that split must be a cold compile's.
+#
+# A separate generator path: programs() and boundary_programs() draw exactly as before.
+
+CACHE_KINDS = ("global dict", "enum", "object attribute", "helper function", "os.environ",
+               "closure cell", "functools.partial", "class instance")
+# what the policy identity rule names (then a changed value is a new cache key) and what it
+# cannot (then the persistent caches are bypassed) - README, "Policy identity"
+CACHE_NAMED = ("global dict", "enum", "helper function", "closure cell", "functools.partial")
+CACHE_UNNAMED = ("object attribute", "os.environ", "class instance")
+# the values a policy reads: the opinion each gives the target op ("bf16": SaveWithHooks
+# that store it in bfloat16, so a stale split also shows in the gradients)
+CACHE_VALUES = ("bf16", "save", "recompute", "prefer_save", "none")
+CACHE_OTHERS = ("CP.PREFER_RECOMPUTE", "None", "CP.PREFER_SAVE")
+# the ATen op the value decides on -> op keys (OPS) whose template dispatches it
+CACHE_TARGETS = {"aten.mm.default": ("mm", "mm3"), "aten.addmm.default": ("linear",),
+                 "aten.bmm.default": ("bmm",), "aten.sin.default": ("sin",),
+                 "aten.mul.Tensor": ("mul",), "aten.tanh.default": ("tanh",),
+                 "aten.add.Tensor": ("add",), "aten.sigmoid.default": ("sigmoid",),
+                 "aten.cos.default": ("cos",), "aten.relu.default": ("relu",)}
+# ops whose backward reads their first input, put after the target op
+CACHE_CONSUMERS = ["sin", "mul", "tanh", "cos", "sigmoid", "gelu", "silu", "mm", "div"]
+# body ops: deterministic, out of place, float in and out, reading no buffer
+CACHE_BODY_OPS = [k for k, ins, outs, template, flags in OPS
+                  if not flags and outs == "f" and set(ins) <= {"f"}
+                  and not re.search(r"\b(buf|rm|rv)\b", template)]
+
+
+@dataclasses.dataclass
+class CacheProgram:
+    source: str
+    kind: str
+    target: str
+    values: tuple        # (process 1's value, process 2's)
+    via_helper: bool     # the value is read through a helper function the policy calls
+
+    @property
+    def named(self) -> bool:
+        return self.kind in CACHE_NAMED
+
+    def named_as(self, name: str) -> CacheProgram:
+        """The same program, its region named ``name``."""
+        source = re.sub(r"^REGION_NAME = .*$", f"REGION_NAME = {name!r}", self.source,
+                        count=1, flags=re.M)
+        return dataclasses.replace(self, source=source)
+
+    def __repr__(self) -> str:
+        return (f"CacheProgram(kind={self.kind!r}, target={self.target!r}, "
+                f"values={self.values!r}, source='''\n{self.source}''')")
+
+
+_CACHE_HEADER = '''\
+import enum
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from sac_compile import CheckpointPolicy as CP, SaveWithHooks, sac_region
+
+aten = torch.ops.aten
+PHASE = int(os.environ.get("SAC_FUZZ_CACHE_PHASE", "0"))
+REGION_NAME = {name!r}
+
+
+def to_bf16(t):
+    return t.to(torch.bfloat16)
+
+
+def from_bf16(packed):
+    return packed.float()
+
+
+OPINIONS = {{"bf16": SaveWithHooks(to_bf16, from_bf16), "save": CP.MUST_SAVE,
+            "recompute": CP.MUST_RECOMPUTE, "prefer_save": CP.PREFER_SAVE, "none": None}}
+TARGET = {target}
+OTHERS = {others}
+VALUE = {values!r}[PHASE]
+
+
+def decide(value, op):
+    return OPINIONS[value] if op is TARGET else OTHERS
+'''
+
+# how each kind holds VALUE and how its policy reads it: (setup, read expression, policy)
+# {read} is the expression giving the value inside the policy (or inside the helper)
+_CACHE_KIND_SOURCES = {
+    "global dict": ('CFG = {{"checkpoint": {{"{key}": VALUE}}}}', 'CFG["checkpoint"]["{key}"]',
+                    "function"),
+    "enum": ("class Mode(enum.Enum):\n" +
+             "".join(f"    {v.upper()} = {v!r}\n" for v in CACHE_VALUES) +
+             "\n\nMODE = Mode(VALUE)", "MODE.value", "function"),
+    "object attribute": ("class Settings:\n    pass\n\n\nSETTINGS = Settings()\n"
+                         "SETTINGS.{key} = VALUE", "SETTINGS.{key}", "function"),
+    "helper function": ("_VALUE = VALUE\n\n\ndef current_value():\n    return _VALUE",
+                        "current_value()", "function"),
+    "os.environ": ('os.environ["SAC_FUZZ_{KEY}_" + REGION_NAME] = VALUE',
+                   'os.environ["SAC_FUZZ_{KEY}_" + REGION_NAME]', "function"),
+    "closure cell": ("", "value", "closure"),
+    "functools.partial": ("", "value", "partial"),
+    "class instance": ("", "self.value", "instance"),
+}
+
+
+def _cache_policy_source(kind: str, key: str, via_helper: bool) -> str:
+    setup, read, form = _CACHE_KIND_SOURCES[kind]
+    setup = setup.format(key=key, KEY=key.upper())
+    read = read.format(key=key, KEY=key.upper())
+    lines = [setup, "", ""] if setup else []
+    if form == "function":
+        if via_helper:
+            lines += ["def read_value():", f"    return {read}", "", "",
+                      "def policy(ctx, op, *args, **kwargs):",
+                      "    return decide(read_value(), op)", "", "",
+                      "POLICY = policy"]
+        else:
+            lines += ["def policy(ctx, op, *args, **kwargs):",
+                      f"    return decide({read}, op)", "", "", "POLICY = policy"]
+    elif form == "closure":
+        lines += ["def make_policy(value):", "    def policy(ctx, op, *args, **kwargs):",
+                  f"        return decide({read}, op)", "", "    return policy", "", "",
+                  "POLICY = make_policy(VALUE)"]
+    elif form == "partial":
+        lines += ["def policy(value, ctx, op, *args, **kwargs):",
+                  f"    return decide({read}, op)", "", "",
+                  "POLICY = functools.partial(policy, VALUE)"]
+    else:
+        lines += ["class Policy:", "    def __init__(self, value):",
+                  "        self.value = value", "",
+                  "    def __call__(self, ctx, op, *args, **kwargs):",
+                  f"        return decide({read}, op)", "", "",
+                  "POLICY = Policy(VALUE)"]
+    return "\n".join(lines)
+
+
+@st.composite
+def cache_programs(draw: Any, *, kinds: tuple = CACHE_KINDS, max_ops: int = 5,
+                   name: str = "R") -> CacheProgram:
+    """A program whose policy reads a value of a kind drawn from ``kinds``; ``name``: its
+    region's name (unique among the programs one process runs: the bypass line is said
+    once per name)."""
+    kind = draw(st.sampled_from(list(kinds)))
+    target = draw(st.sampled_from(list(CACHE_TARGETS)))
+    first = draw(st.sampled_from(CACHE_VALUES))
+    second = draw(st.sampled_from([v for v in CACHE_VALUES if v != first]))
+    others = draw(st.sampled_from(CACHE_OTHERS))
+    via_helper = _CACHE_KIND_SOURCES[kind][2] == "function" and kind != "helper function" \
+        and draw(st.booleans())
+    key = draw(st.sampled_from(["lossy", "mode", "mm_policy", "flag"]))
+    # the body: n ops, one of which dispatches the target and the next reads its output
+    # with an op whose backward needs it (so that saving or recomputing it is a choice)
+    n = draw(st.integers(2, max(2, max_ops)))
+    at = draw(st.integers(0, n - 2))
+    scope = ["x", "y"]
+    lines: list[str] = []
+    for i in range(n):
+        if i == at:
+            key_op = draw(st.sampled_from(list(CACHE_TARGETS[target])))
+        elif i == at + 1:
+            key_op = draw(st.sampled_from(CACHE_CONSUMERS))
+        else:
+            key_op = draw(st.sampled_from(CACHE_BODY_OPS))
+        _, ins, _, template, _ = OP_BY_KEY[key_op]
+        names = {"o": f"v{i + 1}"}
+        for slot in "abc"[:len(ins)]:
+            names[slot] = scope[-1] if i == at + 1 and slot == "a" else \
+                draw(st.sampled_from(scope))
+        lines += ["    " + line for line in template.format(**names).split("\n")]
+        scope.append(f"v{i + 1}")
+    # the last value and some others, never the target's (a region output is kept for the
+    # caller anyway, so no policy could change whether it is saved)
+    outs = [v for v in scope[2:-1] if v != f"v{at + 1}" and draw(st.booleans())] + [scope[-1]]
+    src = [_CACHE_HEADER.format(target=target, others=others, values=(first, second),
+                                name=name),
+           "", _cache_policy_source(kind, key, via_helper), "", "",
+           "def body(x, y, w, b):", *lines, f"    return ({', '.join(outs)},)", "", "",
+           "region = sac_region(POLICY, name=REGION_NAME)(body)", ""]
+    return CacheProgram("\n".join(src), kind, target, (first, second), via_helper)
+
+
+def cache_batch(n: int, *, seed: int = 0, kinds: tuple = CACHE_KINDS) -> list:
+    """``n`` cache programs drawn from a fixed seed, as evenly spread over ``kinds`` as
+    ``n`` allows (so a batch of len(kinds) has one of each), their regions named R0, R1,
+    .... Every example draws the same way; which are kept depends only
+    on what was drawn (hypothesis replays draws, so they may not depend on outside
+    state)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as fixed_seed
+
+    quota = -(-n // len(kinds))
+    drawn: list[CacheProgram] = []
+
+    @fixed_seed(seed)
+    @settings(max_examples=max(100, 40 * n), database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(cache_programs(kinds=kinds))
+    def draw(program: CacheProgram) -> None:
+        drawn.append(program)
+
+    draw()
+    # hypothesis draws its simplest programs first; take them in the order of a hash of
+    # their text instead (fixed by the seed, spread over the whole run)
+    import hashlib
+    drawn.sort(key=lambda p: hashlib.sha256(p.source.encode()).hexdigest())
+    out: list[CacheProgram] = []
+    seen: set[str] = set()
+    per_kind: dict = {}
+    for program in drawn:
+        if len(out) == n:
+            break
+        if program.source in seen or per_kind.get(program.kind, 0) >= quota:
+            continue
+        seen.add(program.source)
+        per_kind[program.kind] = per_kind.get(program.kind, 0) + 1
+        out.append(program.named_as(f"R{len(out)}"))
+    if len(out) < n:
+        raise RuntimeError(f"cache_batch: only {len(out)} distinct programs of {n} drawn")
+    return out

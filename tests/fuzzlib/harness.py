@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import re
 import sys
 import types
@@ -1195,3 +1196,271 @@ def reduce_boundary(source: str, fails: Any, *, max_deletions: int = 60) -> str:
                 source, changed = rest, True
                 break
     return source
+
+
+# ======================================================================================
+# The cache family (gen.cache_programs): a persistent compile cache shared by processes
+# ======================================================================================
+#
+# A batch of cache programs (module files) runs in three processes, each a fresh
+# interpreter, all with one TORCHINDUCTOR_CACHE_DIR (AOTAutograd's and Inductor's
+# persistent caches on; Inductor with our partitioner, sac_backend):
+#
+#   1. phase 0: each program compiled with its first value (fills the cache);
+#   2. phase 1: each compiled with its second value ("warm"), then again with both caches
+#      off ("cold");
+#   3. phase 1 again ("again").
+#
+# Per program: warm must equal cold - the same tensors handed to backward (shapes and
+# dtypes, in order: the split) and bitwise the same outputs and gradients - and warm never
+# hits (the value changed). A policy whose value the identity rule names misses in 2 and
+# hits in 3 (the key is stable across processes); one whose value it cannot name bypasses
+# the caches in 2 and 3, and the sac_compile logger says so for its region. Cold gradients
+# equal the program without regions (looser where the second value is bf16 hooks).
+
+CACHE_PHASE_ENV = "SAC_FUZZ_CACHE_PHASE"
+# set (by a test of the check itself): every policy gets one cache key, as a rule that
+# ignored the values a policy reads would give - the check must then fail
+CACHE_STALE_KEYS_ENV = "SAC_FUZZ_CACHE_STALE_KEYS"
+
+
+def _break_policy_keys() -> None:
+    from sac_compile.compiler import cache_keys
+    cache_keys.policy_key = lambda policy: "one key for every policy"
+
+
+def _fingerprint(t: torch.Tensor) -> str:
+    import hashlib
+    data = t.detach().contiguous().cpu().view(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:12]
+
+
+def _saved_signature(loss: torch.Tensor) -> list:
+    """What the compiled forwards hand to their backward: (shape, dtype, a hash of the
+    bytes) of each tensor the autograd nodes of compiled graphs saved, in graph order - the
+    split (a saved input and a saved output of the same shape tell apart by their bytes)."""
+    seen, stack, out = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in node.name():
+            out.append([(tuple(t.shape), str(t.dtype), _fingerprint(t))
+                        for t in node.saved_tensors])
+        stack.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _cache_step(fn: Any) -> dict:
+    inputs = make_inputs(0)
+    args = [inputs[k] for k in ("x", "y", "w", "b")]
+    torch.manual_seed(1)
+    outs = fn(*args)
+    floats = [o for o in outs if o.is_floating_point()]
+    loss = sum((o * (0.5 + 0.25 * i)).sum() for i, o in enumerate(floats))
+    saved = _saved_signature(loss)
+    loss.backward()
+    return {"outs": [o.detach() for o in outs], "saved": saved,
+            "grads": [a.grad for a in args]}
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages logged."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: Any) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _cache_compile(module: Any, region_name: str) -> dict:
+    """Compile ``module.region`` with sac_backend and run one step: the step, the
+    AOTAutograd cache counters' change, and whether the bypass line named the region."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    logger = logging.getLogger("sac_compile")
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    before = dict(counters["aot_autograd"])
+    try:
+        with _quiet():
+            step = _cache_step(torch.compile(module.region, backend=sac_compile.sac_backend))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    step["cache"] = {k: counters["aot_autograd"].get("autograd_cache_" + k, 0) -
+                     before.get("autograd_cache_" + k, 0) for k in ("hit", "miss", "bypass")}
+    step["bypass_said"] = any("bypassed" in line and repr(region_name) in line
+                              for line in handler.lines)
+    return step
+
+
+def cache_process(module_dir: str, names: list, phase: int, out_path: str) -> None:
+    """One process of the batch (run by :func:`check_cache_batch` in a fresh interpreter):
+    import each program module, compile it (phase 1: warm, then cold) and save the
+    results."""
+    import importlib
+    import os
+    sys.path.insert(0, module_dir)
+    os.environ[CACHE_PHASE_ENV] = str(phase)
+    if os.environ.get(CACHE_STALE_KEYS_ENV):
+        _break_policy_keys()
+    results: dict = {}
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+            res = {"ref": _cache_step(module.body)}
+            res["warm"] = _cache_compile(module, module.REGION_NAME)
+            if phase == 1:
+                with torch._functorch.config.patch(enable_autograd_cache=False), \
+                        torch._inductor.config.patch(fx_graph_cache=False):
+                    res["cold"] = _cache_compile(module, module.REGION_NAME)
+                if any(res["cold"]["cache"].values()):
+                    raise RuntimeError(f"the cold compile used the caches: {res['cold']['cache']}")
+            results[name] = ("ok", res)
+        except Exception as e:  # reported per program by the parent
+            import traceback
+            results[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        torch.save(results, out_path)  # as it goes: a crash still leaves the earlier ones
+
+
+def _run_cache_process(workdir: str, cache_dir: str, names: list, phase: int, tag: str,
+                       timeout: float, stale_keys: bool = False) -> dict:
+    import os
+    import subprocess
+    out_path = os.path.join(workdir, f"results_{tag}.pt")
+    # both persistent caches on by default; no variable that forces them (the cold compile
+    # turns them off by config, which a forcing variable would override)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_COMPILE_THREADS="1")
+    for name in (CACHE_PHASE_ENV, "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                 "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_COMPILE_FORCE_DISABLE_CACHES"):
+        env.pop(name, None)
+    env.pop(CACHE_STALE_KEYS_ENV, None)
+    if stale_keys:
+        env[CACHE_STALE_KEYS_ENV] = "1"
+    fuzz_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from fuzzlib import harness; "
+            "harness.cache_process(sys.argv[2], sys.argv[5:], int(sys.argv[3]), sys.argv[4])")
+    proc = subprocess.run([sys.executable, "-c", code, fuzz_root, workdir, str(phase), out_path,
+                           *names], capture_output=True, text=True, timeout=timeout, env=env)
+    results = torch.load(out_path, weights_only=False) if os.path.exists(out_path) else {}
+    if proc.returncode != 0:
+        for name in names:
+            results.setdefault(name, ("error", f"process {tag} exited with "
+                                               f"{proc.returncode}:\n{proc.stderr[-3000:]}"))
+    return results
+
+
+@dataclasses.dataclass
+class CacheOutcome:
+    """One program's outcome: ``status`` "ok" or "failed" (then ``failure`` says why);
+    ``split_changed``: the two values give different splits or gradients (the check had
+    something to catch); ``cache``: process -> the AOTAutograd cache counters' change."""
+    status: str
+    failure: str = ""
+    split_changed: bool = False
+    cache: dict = dataclasses.field(default_factory=dict)
+
+
+def _same_step(a: dict, b: dict) -> str:
+    """Why steps ``a`` and ``b`` differ ("" when the split, outputs and gradients agree)."""
+    if a["saved"] != b["saved"]:
+        return f"the split differs: {a['saved']} vs {b['saved']}"
+    for what in ("outs", "grads"):
+        for i, (x, y) in enumerate(zip(a[what], b[what])):
+            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                return f"{what}[{i}] differ"
+    return ""
+
+
+def judge_cache(program: Any, runs: dict) -> CacheOutcome:
+    """The outcome of one program from its results in the three processes (``runs``:
+    "first", "second", "again" -> the process's result for it)."""
+    for tag in ("first", "second", "again"):
+        status, value = runs[tag]
+        if status != "ok":
+            return CacheOutcome("failed", f"process {tag} raised: {value}")
+    first, second, again = (runs[t][1] for t in ("first", "second", "again"))
+    warm, cold, rerun = second["warm"], second["cold"], again["warm"]
+    cache = {"first": first["warm"]["cache"], "warm": warm["cache"], "cold": cold["cache"],
+             "again": rerun["cache"]}
+    changed = bool(_same_step(first["warm"], cold))
+    outcome = CacheOutcome("ok", split_changed=changed, cache=cache)
+
+    def fail(why: str) -> CacheOutcome:
+        outcome.status, outcome.failure = "failed", why
+        return outcome
+
+    why = _same_step(warm, cold)
+    if why:
+        return fail(f"process 2 (second value, warm cache) is not a cold compile: {why}; "
+                    f"cache {warm['cache']}")
+    why = _same_step(rerun, cold)
+    if why:
+        return fail(f"process 3 (second value again) is not a cold compile: {why}; "
+                    f"cache {rerun['cache']}")
+    if warm["cache"]["hit"]:
+        return fail(f"process 2 hit the cache although the value changed: {warm['cache']}")
+    if program.named:
+        if warm["cache"]["miss"] != 1 or rerun["cache"]["hit"] != 1:
+            return fail(f"a value the identity rule names: expected a miss then a hit, got "
+                        f"{warm['cache']} then {rerun['cache']}")
+    else:
+        for tag, run_ in (("2", warm), ("3", rerun)):
+            if run_["cache"]["bypass"] < 1 or run_["cache"]["hit"]:
+                return fail(f"a value the identity rule cannot name: process {tag} should "
+                            f"bypass the caches, got {run_['cache']}")
+            if not run_["bypass_said"]:
+                return fail(f"process {tag} bypassed the caches without the log line naming "
+                            f"the region")
+    tol = dict(rtol=5e-2, atol=5e-2) if program.values[1] == "bf16" else \
+        dict(rtol=1e-4, atol=1e-5)
+    ref = second["ref"]
+    for what in ("outs", "grads"):
+        for i, (x, y) in enumerate(zip(cold[what], ref[what])):
+            if x is None and y is None:
+                continue
+            try:
+                torch.testing.assert_close(x, y, **tol)
+            except AssertionError as e:
+                return fail(f"cold compile: {what}[{i}] differ from no checkpointing: {e}")
+    return outcome
+
+
+def check_cache_batch(programs: list, workdir: str, *, timeout: float = 1800,
+                      stale_keys: bool = False) -> list:
+    """Run ``programs`` (gen.CacheProgram, each with its own region name) through the
+    three processes; returns their :class:`CacheOutcome` in order. ``stale_keys``: the
+    processes key every policy alike (the check must catch it)."""
+    import os
+    names = []
+    for i, program in enumerate(programs):
+        name = f"sac_fuzz_cache_{i}"
+        with open(os.path.join(workdir, name + ".py"), "w") as f:
+            f.write(program.source)
+        names.append(name)
+    cache_dir = os.path.join(workdir, "inductor_cache")
+    runs = {tag: _run_cache_process(workdir, cache_dir, names, phase, tag, timeout,
+                                    stale_keys)
+            for tag, phase in (("first", 0), ("second", 1), ("again", 1))}
+    return [judge_cache(p, {tag: runs[tag].get(n, ("error", "no result"))
+                            for tag in runs}) for p, n in zip(programs, names)]
+
+
+def repro_cache(program: Any) -> str:
+    """A script that reruns the three-process check of one cache program (from the repo
+    root); the program's module source is in it."""
+    return (f"# Rerun of a sac_compile cache-fuzz failure: kind {program.kind!r}, target "
+            f"{program.target}, values {program.values}.\n"
+            f"# Save as repro.py, run from the repo root: python repro.py\n"
+            f"import sys, tempfile\nsys.path.insert(0, 'tests')\n"
+            f"from fuzzlib import gen, harness\n\n"
+            f"SOURCE = {program.source!r}\n\n"
+            f"program = gen.CacheProgram(SOURCE, {program.kind!r}, {program.target!r}, "
+            f"{program.values!r}, {program.via_helper!r})\n"
+            f"with tempfile.TemporaryDirectory() as workdir:\n"
+            f"    print(harness.check_cache_batch([program], workdir))\n")

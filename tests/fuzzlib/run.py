@@ -2,7 +2,7 @@
 
     python tests/fuzzlib/run.py [--eager 1800] [--compile 200] [--seed 0] [--inductor 0]
                                 [--safe-tags] [--boundary 3000] [--boundary-compile 200]
-                                [--features input_mut,output_mut,...]
+                                [--features input_mut,output_mut,...] [--cache 24]
 
 Two families. The first (gen.programs) checks decisions, outputs and gradients against an
 independent oracle. The boundary family (gen.boundary_programs) updates values in place
@@ -21,6 +21,13 @@ repro script; for the boundary family, one per feature that fails on its own (a 
 drawing only that feature) and per category, each reduced further by deleting statements
 (harness.reduce_boundary), within --shrink-budget seconds. Exit status 1 when anything
 failed.
+
+A third family (gen.cache_programs, ``--cache``) checks the persistent compile caches:
+each program's policy reads a value of a drawn kind (a global dict, an enum, an object
+attribute, a helper function, os.environ, a closure cell, functools.partial, a callable
+class instance); it is compiled with Inductor in one process with one value, then in
+another with the other value and the same TORCHINDUCTOR_CACHE_DIR, whose split must be a
+cold compile's (harness.check_cache_batch). Failures are printed whole with a rerun recipe.
 
 Programs place tag()/name() anywhere: inside and outside regions, on values from outside
 the region (an error in both modes), with the result unused. ``--safe-tags`` keeps compiled
@@ -43,7 +50,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzzlib import harness  # noqa: E402
-from fuzzlib.gen import FEATURES, boundary_programs, programs  # noqa: E402
+from fuzzlib.gen import (CACHE_KINDS, FEATURES, boundary_programs, cache_batch,  # noqa: E402
+                         programs)
 
 
 def _kind(message: str) -> str:
@@ -251,6 +259,47 @@ def shrink_boundary(n: int, modes: tuple, seed_: int, label: str, failed: Any,
                                     shrink_to=category))
 
 
+# -- the cache family ---------------------------------------------------------------------
+
+def cache_campaign(n: int, seed_: int, counts: Any) -> list:
+    """``n`` cache programs (gen.cache_batch) through harness.check_cache_batch's three
+    processes, in one temporary directory; counts per kind; returns the failures as
+    (program, outcome). No shrinking: a program is one op chain and one policy, printed
+    whole with how to rerun it."""
+    import tempfile
+    programs_ = cache_batch(n, seed=seed_)
+    with tempfile.TemporaryDirectory(prefix="sac_fuzz_cache_") as workdir:
+        outcomes = harness.check_cache_batch(programs_, workdir)
+    failed = []
+    for program, outcome in zip(programs_, outcomes):
+        label = f"cache: {program.kind}"
+        counts["cache: programs"] += 1
+        counts[f"{label}: programs"] += 1
+        counts[f"{label}: {outcome.status}"] += 1
+        if outcome.split_changed:
+            counts[f"{label}: the two values split differently"] += 1
+        for process, delta in outcome.cache.items():
+            for what, k in delta.items():
+                if k and process in ("warm", "again"):
+                    counts[f"{label}: process {'2' if process == 'warm' else '3'} "
+                           f"cache {what}"] += k
+        if outcome.status != "ok":
+            counts["cache: FAILED"] += 1
+            failed.append((program, outcome))
+    return failed
+
+
+def print_cache(counts: Any, seconds: float) -> None:
+    print(f"\ncache: {counts['cache: programs']} programs (3 processes) in {seconds:.0f} s, "
+          f"{counts['cache: FAILED']} failed")
+    for kind in CACHE_KINDS:
+        label = f"cache: {kind}"
+        rest = sorted((k[len(label) + 2:], v) for k, v in counts.items()
+                      if k.startswith(label + ": ") and not k.endswith(": programs"))
+        print(f"  {counts[f'{label}: programs']:4d}  {kind}: " +
+              ", ".join(f"{v} {k}" for k, v in rest))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--eager", type=int, default=1800, help="programs checked in eager mode")
@@ -267,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(aot_eager)")
     p.add_argument("--features", default=",".join(FEATURES),
                    help="boundary features to draw (comma-separated; default all)")
+    p.add_argument("--cache", type=int, default=24,
+                   help="cache-family programs: policies reading a value, compiled with "
+                        "Inductor in three processes sharing one persistent cache")
     p.add_argument("--no-shrink", action="store_true", help="count only")
     p.add_argument("--shrink-budget", type=float, default=300,
                    help="seconds after which no new boundary shrink campaign starts")
@@ -307,6 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     bbad = sum(bcounts[f"{label}: {c}"] for label, _, _ in bruns
                for c in ("silent mismatch", "other failure", "harness"))
 
+    ccounts: collections.Counter = collections.Counter()
+    cache_failed: list = []
+    if args.cache:
+        t0 = time.time()
+        cache_failed = cache_campaign(args.cache, args.seed, ccounts)
+        print_cache(ccounts, time.time() - t0)
+        for program, outcome in cache_failed:
+            failures[f"cache: {program.kind}: {_kind(outcome.failure)}"] += 1
+            print(f"\ncache failure ({program.kind}): {outcome.failure}\n"
+                  f"{harness.repro_cache(program)}", flush=True)
+    ctotal, cbad = ccounts["cache: programs"], len(cache_failed)
+
     if failures:
         print("\nfailures by kind:")
         for k, v in failures.most_common():
@@ -324,12 +388,13 @@ def main(argv: list[str] | None = None) -> int:
             if cats:
                 shrink_boundary(n, modes, args.seed, label, failed_features[label], cats,
                                 deadline)
-    print(f"\nfuzz: {total + btotal} programs in {time.time() - start:.0f} s "
-          f"({total} first family, {btotal} boundary family), {bad + bbad} failed "
+    print(f"\nfuzz: {total + btotal + ctotal} programs in {time.time() - start:.0f} s "
+          f"({total} first family, {btotal} boundary family, {ctotal} cache family), "
+          f"{bad + bbad + cbad} failed "
           f"({bbad} boundary: {sum(bcounts[f'{l}: silent mismatch'] for l, _, _ in bruns)} "
           f"silent mismatches, {sum(bcounts[f'{l}: other failure'] for l, _, _ in bruns)} "
-          f"other failures)")
-    return 1 if bad or bbad else 0
+          f"other failures; {cbad} cache)")
+    return 1 if bad or bbad or cbad else 0
 
 
 if __name__ == "__main__":
