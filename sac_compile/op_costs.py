@@ -1,7 +1,7 @@
 """FLOPs of one op, by ``torch.utils.flop_counter``'s rules (matmuls, convolutions,
 attention), with estimates from shapes where it has no formula (custom ops such as
 Hugging Face's grouped matmul, ATen matmuls without a formula). Shared by both modes: the
-partitioner costs recomputes with it (``compiler.costs``), and ``explain(mode="eager")``
+partitioner costs recomputes with it (``cut.costs``), and ``explain(mode="eager")``
 counts the eager runtime's recompute FLOPs with it.
 """
 from __future__ import annotations

@@ -33,7 +33,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from sac_compile import policies, sac_region
-from sac_compile.compiler import SACPartitioner, costs
+from sac_compile.compiler import SACPartitioner
+from sac_compile.cut import costs
 from sac_compile.compiler.tagging import sac_partitioning
 
 # --------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class RegionGraph:
     ``(op number, output index)``."""
 
     graph: fx.Graph
-    net: Any                                    # compiler.network.FlowNetwork
+    net: Any                                    # cut.network.FlowNetwork
     where: dict[fx.Node, tuple[int, int]]
     stand_ins: dict[fx.Node, fx.Node]           # values kept off the device (offload)
 
