@@ -83,17 +83,13 @@ MATMUL_OPS: frozenset[Any] = expand_ops([
 ])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class SaveOps(OpSetPolicy):
     """MUST_SAVE the outputs of ``ops`` (qualified names, e.g. ``aten.mm.default``)."""
 
     ops: tuple[str, ...]
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return MUST_SAVE if op in self.op_set else None
-
-    def __repr__(self) -> str:
-        return f"save_ops({', '.join(self.ops)})"
+    opinion = MUST_SAVE
+    label = "save_ops"
 
 
 def save_ops(*ops: Any) -> SaveOps:
@@ -154,17 +150,13 @@ def save_only_these_names(*labels: str) -> SaveOnlyTheseNames:
     return SaveOnlyTheseNames(frozenset(labels))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class OffloadOps(OpSetPolicy):
     """MUST_CPU_OFFLOAD the outputs of ``ops``: kept on the CPU until backward needs them."""
 
     ops: tuple[str, ...]
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return MUST_CPU_OFFLOAD if op in self.op_set else None
-
-    def __repr__(self) -> str:
-        return f"offload_ops({', '.join(self.ops)})"
+    opinion = MUST_CPU_OFFLOAD
+    label = "offload_ops"
 
 
 def offload_ops(*ops: Any) -> OffloadOps:

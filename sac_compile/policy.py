@@ -200,9 +200,18 @@ class PolicyValue:
 
 class OpSetPolicy(PolicyValue):
     """A policy value that holds ops by name (field ``ops``); ``op_set`` resolves them once
-    per object (not pickled: ops are found again by name on load)."""
+    per object (not pickled: ops are found again by name on load). ``opinion`` is what the
+    listed ops get (no opinion on the others); ``label`` names the constructor in repr."""
 
     ops: tuple[str, ...]
+    opinion: Opinion | None = None
+    label: str = ""
+
+    def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.opinion if op in self.op_set else None
+
+    def __repr__(self) -> str:
+        return f"{self.label}({', '.join(self.ops)})"
 
     @property
     def op_set(self) -> frozenset[Any]:
