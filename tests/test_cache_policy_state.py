@@ -10,13 +10,11 @@ value, and bypasses where it cannot. Presets and pure module-level functions hit
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from fixtures.cache_process import run_with_cache
 
 SCRIPT = textwrap.dedent('''
     import enum, functools, json, os, sys
@@ -134,12 +132,7 @@ CONSTANT = ["preset", "module function"]
 
 
 def _run(variant: str, cache_dir) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, variant], capture_output=True,
-                          text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_with_cache(SCRIPT, variant, cache_dir, timeout=1200)
 
 
 @pytest.mark.slow

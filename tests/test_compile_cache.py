@@ -3,10 +3,7 @@ reads (on the ``context_fn`` partial in Dynamo's graph), keyed by the region's n
 policy's identity, so that a changed policy misses and a lambda policy bypasses."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,7 @@ from sac_compile import CheckpointPolicy, checkpoint, policies, sac_region
 from sac_compile import CheckpointPolicy as P
 from sac_compile.compiler import make_backend
 from sac_compile.compiler.cache_keys import policy_key
+from fixtures.cache_process import run_with_cache
 
 aten = torch.ops.aten
 
@@ -185,12 +183,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _compile_in_a_fresh_process(policy: str, cache_dir) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, policy], capture_output=True,
-                          text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_with_cache(SCRIPT, policy, cache_dir)
 
 
 @pytest.mark.slow
