@@ -46,7 +46,8 @@ __all__ = ["SACPartitioner"]
 
 P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
-# Every module of the compiler package, and the core modules it decides with.
+# Every module of the compiler and cut packages (the flow network, its costs, the budget
+# search: a change there changes the split), and the core modules it decides with.
 _HASHED_CORE = ("policy", "markers", "op_costs", "errors")
 
 
@@ -56,7 +57,8 @@ def _code_hash() -> str:
 
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    files = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
+    here = Path(__file__).parent
+    files = sorted(str(p) for d in (here, here.parent / "cut") for p in d.glob("*.py"))
     files += [inspect.getfile(importlib.import_module(f"sac_compile.{name}"))
               for name in _HASHED_CORE]
     return get_hash_for_files(tuple(files)).hex()
