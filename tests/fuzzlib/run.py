@@ -2,7 +2,7 @@
 
     python tests/fuzzlib/run.py [--eager 1800] [--compile 200] [--seed 0] [--inductor 0]
                                 [--safe-tags] [--boundary 3000] [--boundary-compile 200]
-                                [--features input_mut,output_mut,...] [--cache 24]
+                                [--features input_mut,output_mut,...] [--cache 48]
 
 Two families. The first (gen.programs) checks decisions, outputs and gradients against an
 independent oracle. The boundary family (gen.boundary_programs) updates values in place
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(aot_eager)")
     p.add_argument("--features", default=",".join(FEATURES),
                    help="boundary features to draw (comma-separated; default all)")
-    p.add_argument("--cache", type=int, default=24,
+    p.add_argument("--cache", type=int, default=48,
                    help="cache-family programs: policies reading a value, compiled with "
                         "Inductor in three processes sharing one persistent cache")
     p.add_argument("--no-shrink", action="store_true", help="count only")
