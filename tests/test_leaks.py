@@ -214,3 +214,19 @@ def test_values_are_kept_until_the_graph_is_freed_with_retain_graph():  # noqa: 
     del out                     # or the graph goes away without another backward
     gc.collect()
     assert saved() is None
+
+
+def test_a_budget_that_cannot_be_met_leaves_nothing_of_the_region_alive():
+    """The budget's plan fails at region exit: the region's outputs never reach the caller,
+    and what it recorded (kept alive for the plan) must not stay in a cycle through
+    autograd's C++ nodes, which the collector cannot break."""
+    from sac_compile import CheckpointError, policies, sac_region
+
+    block = sac_region(policies.save_matmuls, name="Unmet", memory_budget=0.1)(
+        lambda x, w: (x @ w).sin() @ w)
+    with pytest.raises(CheckpointError, match="cannot be met"):
+        block(torch.randn(32, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True))
+    gc.collect()
+    alive = [type(o).__name__ for o in gc.get_objects()
+             if type(o).__name__ in ("RegionRecorder", "OpNode")]
+    assert alive == []

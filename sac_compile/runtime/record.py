@@ -355,8 +355,22 @@ class RegionRecorder(TorchDispatchMode):
     def finish(self) -> None:
         """Keep only what some backward needs, then forget the forward bookkeeping."""
         # A memory budget's plan first: it decides what is saved (budget_run.py).
-        records: list[SavedValueRecord] = \
-            self.budget_run.apply(self) if self.budget_run is not None else []
+        try:
+            records: list[SavedValueRecord] = \
+                self.budget_run.apply(self) if self.budget_run is not None else []
+        except BaseException:
+            # (an unreachable budget): the region's outputs never reach the caller, so no
+            # backward will unpack; drop every value, or autograd's nodes and ours would
+            # hold each other through C++ (a cycle the collector cannot see).
+            for node in self.decisions:
+                node.value = node.versions = node.args = node.kwargs = None
+            self.budget_run = None  # it held the forward's activations until the plan
+            self.producers.clear()
+            self.leaves.clear()
+            self.leaves_by_storage = self.saved_by_storage = None
+            self.handles.clear()
+            self.decisions.clear()
+            raise
         needed = _needed_nodes(self.handles)
         seen: set[int] = set()
         for node in self.decisions:
