@@ -82,6 +82,7 @@ class RegionGroup:
 
     def add(self, slot: RegionSlot) -> None:
         self._slots.append(weakref.ref(slot))
+        weakref.finalize(slot, _forget_if_empty, self.token)
 
     @property
     def members(self) -> list[str]:
@@ -141,11 +142,29 @@ def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False,
     with _LOCK:
         group = _GROUPS.get(token)
         if group is None:
+            _drop_groups_without_members()
             group = _GROUPS[token] = RegionGroup(token, policy, slot.name, allow, by_name,
                                                  why_not, budget)
             _allow_recompiles()
         group.add(slot)
         slot.token = token
+
+
+def _forget_if_empty(token: str) -> None:
+    """A member's region is gone: forget its group once it has none left (a group holds its
+    policy and budget, and a budget what its regions recorded)."""
+    with _LOCK:
+        group = _GROUPS.get(token)
+        if group is not None and not group.slots:
+            _GROUPS.pop(token, None)
+
+
+def _drop_groups_without_members() -> None:
+    """Forget groups whose regions are all gone (the caller holds ``_LOCK``): a group holds
+    its policy and budget, and a budget what its regions recorded. A later region of the
+    same identity makes the group again, under the same token."""
+    for token in [t for t, g in list(_GROUPS.items()) if not g.slots]:
+        _GROUPS.pop(token, None)
 
 
 def frame_in_group(name: str, policy: Any, allow: bool = False, *,
