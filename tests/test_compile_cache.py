@@ -159,13 +159,14 @@ def test_policy_key_forms():
 # -- the real caches, cold and warm (Inductor: AOTAutograd's cache needs its compiler) ------
 
 SCRIPT = textwrap.dedent("""
-    import json, sys, torch
+    import json, os, sys, torch
     import sac_compile as sc
     from torch._dynamo.utils import counters
 
     aten = torch.ops.aten
     policy = {"mm": [aten.mm.default], "mm_relu": [aten.mm.default, aten.relu.default],
-              "lambda": lambda ctx, op, *a, **k: None}[sys.argv[1]]
+              "lambda": lambda ctx, op, *a, **k: None,
+              "environ": lambda ctx, op, *a, **k: (os.environ.get("SAC_X"), None)[1]}[sys.argv[1]]
 
     @sc.sac_region(policy, name="Block")
     def block(x, w):
@@ -194,5 +195,7 @@ def test_warm_compile_hits_the_caches_and_a_changed_policy_misses(tmp_path):
     assert warm["hit"] == 1 and warm["miss"] == 0 and warm["bypass"] == 0, warm
     changed = _compile_in_a_fresh_process("mm_relu", tmp_path)
     assert changed["miss"] == 1 and changed["hit"] == 0, changed
-    unnamed = _compile_in_a_fresh_process("lambda", tmp_path)
+    keyed = _compile_in_a_fresh_process("lambda", tmp_path)   # code only: a key of its own
+    assert keyed["miss"] == 1 and keyed["hit"] == 0 and keyed["bypass"] == 0, keyed
+    unnamed = _compile_in_a_fresh_process("environ", tmp_path)  # os.environ: no key
     assert unnamed["bypass"] == 1 and unnamed["hit"] == 0, unnamed
