@@ -48,7 +48,10 @@ P = CheckpointPolicy
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 # Every module of the compiler and cut packages (the flow network, its costs, the budget
 # search: a change there changes the split), and the core modules it decides with.
-_HASHED_CORE = ("policy", "markers", "op_costs", "errors")
+# (policies: a policy that reads our presets' data, MATMUL_OPS say, is keyed by the module's
+# name; effects: the ops the cut never recomputes; budgets: what a budget value means.)
+_HASHED_CORE = ("policy", "policies", "op_names", "markers", "op_costs", "effects", "errors",
+                "budgets")
 
 
 def _code_hash() -> str:
