@@ -82,7 +82,6 @@ class RegionGroup:
 
     def add(self, slot: RegionSlot) -> None:
         self._slots.append(weakref.ref(slot))
-        weakref.finalize(slot, _forget_if_empty, self.token)
 
     @property
     def members(self) -> list[str]:
@@ -150,19 +149,11 @@ def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False,
         slot.token = token
 
 
-def _forget_if_empty(token: str) -> None:
-    """A member's region is gone: forget its group once it has none left (a group holds its
-    policy and budget, and a budget what its regions recorded)."""
-    with _LOCK:
-        group = _GROUPS.get(token)
-        if group is not None and not group.slots:
-            _GROUPS.pop(token, None)
-
-
 def _drop_groups_without_members() -> None:
     """Forget groups whose regions are all gone (the caller holds ``_LOCK``): a group holds
     its policy and budget, and a budget what its regions recorded. A later region of the
-    same identity makes the group again, under the same token."""
+    same identity makes the group again, under the same token. Run when a group is made,
+    never from a finalizer: a collection may run while the table is being iterated."""
     for token in [t for t, g in list(_GROUPS.items()) if not g.slots]:
         _GROUPS.pop(token, None)
 
@@ -260,7 +251,7 @@ def _allow_recompiles() -> None:
     config = torch._dynamo.config
     attr = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     limit = getattr(config, attr)
-    live = sum(1 for group in _GROUPS.values() if group.slots)
+    live = sum(1 for group in list(_GROUPS.values()) if group.slots)
     needed = live + 1
     if needed > limit:
         setattr(config, attr, needed)
