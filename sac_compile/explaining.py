@@ -178,8 +178,8 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
         counter.settle()
         del out
     report = PartitionReport(mode="eager")
-    report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region)
-                    for r in stats.saved]
+    report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region,
+                                      must=r.must) for r in stats.saved]
     report.recomputed = list(stats.recomputed_ops)
     report.recomputed_regions = ["?"] * len(report.recomputed)
     report.recompute_flops = counter.flops
@@ -207,8 +207,8 @@ def _measured_peak(meter: Any) -> MemoryPeak:
 def _mark_parameters(report: PartitionReport, params: set[str]) -> PartitionReport:
     """Records of graph inputs that are parameters or buffers say so (``saved_bytes`` then
     leaves them out), whichever partitioner made the report."""
-    report.saved = [dataclasses.replace(r, reason="parameter (input)")
-                    if r.is_input and r.name in params and not r.reason.startswith("parameter")
+    report.saved = [dataclasses.replace(r, reason="parameter (input)", is_parameter=True)
+                    if r.is_input and r.name in params and not r.is_parameter
                     else r for r in report.saved]
     return report
 

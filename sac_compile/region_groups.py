@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from . import graph_meta
 from .budgets import budget_key
 from .policy import RegionFrame
 from .policy_identity import policy_identity
@@ -191,7 +192,7 @@ def name_in_graph(group: RegionGroup, node: Any) -> str:
     """The name of the region that Dynamo's checkpoint node ``node`` calls: the group's
     member whose module is innermost in the node's ``nn_module_stack`` (a whole model
     compiled as one graph holds every block of a group), else the group's name."""
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = graph_meta.nn_module_stack(node)
     members = set(group.members)
     for key in reversed(list(stack)):
         try:

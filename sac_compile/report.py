@@ -3,7 +3,7 @@
 ``PartitionReport`` has the same shape in both modes, so tests can diff them:
 
 * ``saved``: one :class:`SavedTensorRecord` per saved value (``name``, ``op``, ``nbytes``,
-  ``reason``);
+  ``reason``, and facts to match on: ``is_input``, ``is_parameter``, ``must``, ``on_host``);
 * ``recomputed``: op names recomputed in backward, with repeats;
 * ``saved_bytes`` (parameters excluded), ``activation_bytes`` (inputs excluded too) and
   ``recompute_flops`` (``torch.utils.flop_counter``'s rules, in both modes);
@@ -50,6 +50,8 @@ class SavedTensorRecord:
     is_input: bool = False
     region: str = ""  # the innermost region that decided it; "" outside every region
     on_host: bool = False  # offloaded: kept in host memory, not on the device
+    is_parameter: bool = False  # a parameter or buffer (an input): not in saved_bytes
+    must: bool = False  # kept by a MUST decision about this very value (reason names it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +145,7 @@ class PartitionReport:
         """Device bytes of saved activations and non-parameter inputs (parameters cost
         nothing; offloaded values are in :attr:`offloaded_bytes`)."""
         return sum(r.nbytes for r in self.saved
-                   if not r.reason.startswith("parameter") and not r.on_host)
+                   if not r.is_parameter and not r.on_host)
 
     @property
     def activation_bytes(self) -> int:
@@ -176,7 +178,7 @@ class PartitionReport:
                  f"({self.recompute_flops} FLOPs)"]
         if self.memory_budget is not None:
             lines.append("  " + self._budget_line())
-        params = [r for r in self.saved if r.reason.startswith("parameter")]
+        params = [r for r in self.saved if r.is_parameter]
         if params:
             lines.append(f"  keep {len(params)} parameters ({fmt_bytes(sum(r.nbytes for r in params))}"
                          f", not counted)")

@@ -13,7 +13,7 @@ from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, refere
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
 from sac_compile.cut import budget as budget_mod
-from sac_compile.compiler import make_backend, partition
+from sac_compile.compiler import choose_cut, make_backend
 from sac_compile.cut.exact import ExactProblem, brute_force, solve_exact
 
 pytest.importorskip("scipy.optimize", reason="the exact program needs scipy's milp")
@@ -67,14 +67,14 @@ def _networks(monkeypatch, model_name, policy, budget, seed=0):
     """Compile ``model_name`` with ``budget``; the flow networks and budget results of its
     splits, and the gradients."""
     seen = []
-    real = partition.solve_with_budget
+    real = choose_cut.solve_with_budget
 
     def recording(net, b, solver=None, **kw):
         res = real(net, b, solver, **kw)
         seen.append((net, res))
         return res
 
-    monkeypatch.setattr(partition, "solve_with_budget", recording)
+    monkeypatch.setattr(choose_cut, "solve_with_budget", recording)
     torch._dynamo.reset()
     model, inputs = make_model(model_name, size="test", seed=seed)
     for block in model.blocks:

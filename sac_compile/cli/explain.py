@@ -44,7 +44,7 @@ def _base_op(op: str) -> str:
 
 def _saved(report: Any, must_only: bool = False) -> Counter:
     return Counter(_base_op(r.op) for r in report.saved
-                   if not r.is_input and (not must_only or r.reason.startswith("MUST_")))
+                   if not r.is_input and (not must_only or r.must))
 
 
 def diff_reports(eager: Any, compiled: Any) -> list[str]:

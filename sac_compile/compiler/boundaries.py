@@ -31,28 +31,28 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
+from .. import graph_meta
 from ..policy import CheckpointError, CheckpointPolicy
-from ..report import fmt_bytes
 from ..cut import costs
 from ..cut.network import INF, Classification, FlowNetwork
+from .describe import boundary_reason
+from .facts import Floor
 from .peak import cut_peak, storage_base
-from ..cut.reasons import Reason, ReasonKind
 
-__all__ = ["region_call", "boundary_values", "with_floor", "solve_lowering_peak", "BOUNDARY_KEY"]
+__all__ = ["region_call", "boundary_values", "with_floor", "solve_lowering_peak"]
 
 P = CheckpointPolicy
 R = TypeVar("R")
-BOUNDARY_KEY = "sac_region_boundary"  # on a kept boundary value: the region that reads it
 _RECOMPUTES = (P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE)
 
 
 def region_call(node: fx.Node) -> Any:
     """The outermost region call that ran ``node`` (ours, or torch's own checkpoint); None
     outside every region."""
-    if "sac_outer_region_id" in node.meta:
-        return ("sac", node.meta["sac_outer_region_id"])
-    if "ac_graph_id" in node.meta:
-        return ("torch", node.meta["ac_graph_id"])
+    if graph_meta.has_outer_region_id(node):
+        return ("sac", graph_meta.outer_region_id(node))
+    if graph_meta.has_ac_graph_id(node):
+        return ("torch", graph_meta.ac_graph_id(node))
     return None
 
 
@@ -65,7 +65,7 @@ def boundary_values(cls: Classification, net: FlowNetwork) -> dict[fx.Node, fx.N
             continue
         group = region_call(u)
         reader = next((v for v in u.users if v in cls.index and region_call(v) not in
-                       (None, group) and getattr(v.meta.get("sac_decision"), "policy", None)
+                       (None, group) and getattr(graph_meta.decision(v), "policy", None)
                        in _RECOMPUTES), None)
         if reader is None:
             continue
@@ -90,23 +90,14 @@ def with_floor(net: FlowNetwork, boundary: dict[fx.Node, fx.Node]) -> FlowNetwor
         i = idx[u]
         recompute[i] = INF
         lifted.pop(i, None)
-        bans[u] = Reason(ReasonKind.REGION_BOUNDARY, _text(u, reader))
+        bans[u] = boundary_reason(_fact(u, reader))
     return dataclasses.replace(net, recompute_cost=recompute, ban_reason=bans,
                                lifted_under_budget=lifted)
 
 
-def _name(node: fx.Node) -> str:
-    path = node.meta.get("sac_region_path")
-    return repr(path[-1]) if path else "outside every region"
-
-
-def _text(u: fx.Node, reader: fx.Node) -> str:
-    made, read = _name(u), _name(reader)
-    where = (f"made by one call of region {read}, read by another's recompute" if made == read
-             else f"the boundary between {'region ' if u.meta.get('sac_region_path') else ''}"
-                  f"{made} and region {read}")
-    return (f"{where}: kept so that each region is recomputed from its own inputs, as eager "
-            f"checkpointing does")
+def _fact(u: fx.Node, reader: fx.Node) -> graph_meta.BoundaryFact:
+    made, read = graph_meta.region_path(u), graph_meta.region_path(reader)
+    return graph_meta.BoundaryFact(made[-1] if made else None, read[-1] if read else None)
 
 
 def _recomputed(cls: Classification, kept: set[fx.Node]) -> set[fx.Node]:
@@ -124,30 +115,28 @@ def _recomputed(cls: Classification, kept: set[fx.Node]) -> set[fx.Node]:
 
 
 def solve_lowering_peak(gm: fx.GraphModule, net: FlowNetwork, solve: Callable[[FlowNetwork], R],
-                        kept_of: Callable[[R], list[fx.Node]]) -> tuple[R, list[str]]:
+                        kept_of: Callable[[R], list[fx.Node]]) -> tuple[R, Floor]:
     """``solve(net)``, or ``solve`` of the floored network where that lowers the peak (see
-    the module docstring). Returns the result and notes for the report; the kept boundary
-    values of a floored cut carry :data:`BOUNDARY_KEY` (for their reason)."""
+    the module docstring). Returns the result and what the floor did; the kept boundary
+    values of a floored cut carry a :class:`~sac_compile.graph_meta.BoundaryFact` (for
+    their reason)."""
     res = solve(net)
     cls = net.cls
     boundary = boundary_values(cls, net)
     kept = set(kept_of(res))
     dragged = _recomputed(cls, kept) & set(boundary)
     if not dragged:
-        return res, []
+        return res, Floor()
     floored = with_floor(net, boundary)
     try:
         res_floor = solve(floored)
     except CheckpointError as e:  # e.g. a budget the floor's kept boundaries exceed
-        return res, [f"region boundaries not kept: {str(e).splitlines()[0][:160]}"]
+        return res, Floor(refused=str(e).splitlines()[0])
     kept_floor = kept_of(res_floor)
     before, after = cut_peak(gm.graph, cls, kept), cut_peak(gm.graph, cls, kept_floor)
     if after >= before:
-        return res, []
+        return res, Floor()
     held = [u for u in kept_floor if u in boundary and u not in kept]
     for u in held:
-        u.meta[BOUNDARY_KEY] = _text(u, boundary[u])
-    return res_floor, [
-        f"region boundaries kept: {len(held)} values ({fmt_bytes(sum(costs.nbytes(u) for u in held))}) "
-        f"that the cut recomputed across regions; estimated peak {fmt_bytes(before)} -> "
-        f"{fmt_bytes(after)} (each region is recomputed from its own inputs, as in eager mode)"]
+        graph_meta.set_boundary(u, _fact(u, boundary[u]))
+    return res_floor, Floor(tuple(held), sum(costs.nbytes(u) for u in held), before, after)

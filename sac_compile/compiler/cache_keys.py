@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import graph_meta
 from ..policy_identity import hooks_key, policy_identity, policy_key
 from ..region_groups import group_of_token
 
@@ -61,7 +62,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        context_fn = module.meta.get("_checkpoint_context_fn")
+        context_fn = graph_meta.checkpoint_context_fn(module)
         kind = context_fn_kind(context_fn)
         if kind is None or hasattr(context_fn, "cache_hash"):
             continue  # not ours (torch's caching rules apply), or done already
@@ -80,7 +81,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             why = policy_identity(policy, cached=False).why_not
             _say_bypassed(name, f"its policy {policy!r} reads {why}")
             continue
-        module.meta["_checkpoint_context_fn"] = KeyedContextFn.of(context_fn, digest)
+        graph_meta.set_checkpoint_context_fn(module, KeyedContextFn.of(context_fn, digest))
         annotated += 1
     return annotated
 

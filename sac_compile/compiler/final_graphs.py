@@ -10,9 +10,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import graph_meta
 from ..cut import costs
 
-__all__ = ["recomputed_names", "rng_replays", "replayed_values"]
+__all__ = ["recomputed_names", "rng_replays", "replayed_values", "rng_state_inputs"]
 
 
 def _run_with_rng_state() -> object:
@@ -65,5 +66,16 @@ def replayed_values(bw: fx.GraphModule, replays: dict[tuple, str],
         if n.op == "call_function" and n.target is replay_target and len(n.args) >= 2:
             name = replays.get(_key(n.args[1], tuple(n.args[2:])))
             if name is not None and name in joint:
-                out[n.name] = joint[name].meta.get("val")
+                out[n.name] = graph_meta.val(joint[name])
     return out
+
+
+def rng_state_inputs(bw: fx.GraphModule) -> list[fx.Node]:
+    """The backward's placeholders that hold a generator state saved by the forward: the
+    state each ``run_with_rng_state`` node of torch's RNG functionalisation replays from
+    (graph order). Read off the graph's structure, so a placeholder of another kind (a
+    value packed by hooks, say) is never taken for one."""
+    replay_target = _run_with_rng_state()
+    states = {n.args[0] for n in bw.graph.find_nodes(op="call_function", target=replay_target)
+              if n.args and isinstance(n.args[0], fx.Node)}
+    return [n for n in bw.graph.find_nodes(op="placeholder") if n in states]

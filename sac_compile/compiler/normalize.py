@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 from torch._ops import OpOverload
 
+from .. import graph_meta
 from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide, \
     resolve_decision
 from ..cut.costs import is_view
@@ -67,17 +68,17 @@ PassResult = tuple[fx.GraphModule, int]  # the graph, and how many nodes the pas
 
 
 def decision_of(node: fx.Node) -> Decision | None:
-    return node.meta.get("sac_decision")
+    return graph_meta.decision(node)
 
 
 # -- 1 ------------------------------------------------------------------------------------
 
 def adopt_torch_tags(gm: fx.GraphModule) -> PassResult:
-    """``node.meta["recompute"]`` written by torch's SAC, not by us, becomes a decision."""
+    """Torch's ``recompute`` key, written by torch's SAC, not by us, becomes a decision."""
     changed = 0
     for node in gm.graph.nodes:
-        if "recompute" in node.meta and "sac_decision" not in node.meta:
-            policy = node.meta["recompute"]
+        if graph_meta.has_recompute(node) and graph_meta.decision(node) is None:
+            policy = graph_meta.recompute(node)
             if isinstance(policy, bool):  # torch's full AC marks nodes with True/False
                 policy = CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
             write_decision(node, Decision(policy, region=TORCH_REGION, source="policy"),
@@ -99,7 +100,7 @@ def fold_markers(gm: fx.GraphModule) -> PassResult:
             continue
         # A marker traced outside every region carries no sac_marker_region: a no-op, as in
         # eager. (One on a tensor from outside its region already raised while tracing.)
-        if "sac_marker_region" in node.meta:
+        if graph_meta.marker_region(node) is not None:
             producer = marker_producer(node)
             if node.target is TAG_OP:
                 tags[producer] = decode_opinion(node.args[1])
@@ -111,9 +112,9 @@ def fold_markers(gm: fx.GraphModule) -> PassResult:
     by_call = _nodes_by_call(graph)
     for producer in dict.fromkeys([*tags, *names]):
         decision = _redecide(producer, tags.get(producer), frozenset(names.get(producer, ())))
-        call = producer.meta.get("sac_call")
+        call = graph_meta.call(producer)
         for node in by_call[call] if call is not None else _with_getitems(producer):
-            write_decision(node, decision, producer.meta["sac_region_path"])
+            write_decision(node, decision, graph_meta.region_path(producer))
     return gm, removed
 
 
@@ -125,11 +126,11 @@ def _redecide(producer: fx.Node, tag: Opinion | None, labels: frozenset[str]) ->
             f"{what} got a tensor that no op of a region produced (an input, a parameter, "
             f"or a value from outside every region); apply it to the output of the op "
             f"you mean, inside the region")
-    ask = producer.meta.get("sac_ask")
+    ask = graph_meta.ask(producer)
     if ask is not None:  # our region: ask its policies again, with the names and the tag
         frames, func, args, kwargs, out = ask
         return decide(frames, func, args, kwargs, out, names=labels, tag=tag,
-                      tag_region=producer.meta["sac_region_path"][-1])
+                      tag_region=graph_meta.region_path(producer)[-1])
     # torch's region: its policy's opinion, then the tag
     votes = [Vote(old.policy, old.region or TORCH_REGION, "policy")]
     if tag is not None:
@@ -146,7 +147,7 @@ def share_decisions_with_getitems(gm: fx.GraphModule) -> PassResult:
         base = node.args[0]
         base_dec = decision_of(base) if isinstance(base, fx.Node) else None
         if base_dec is not None and decision_of(node) is not base_dec:
-            write_decision(node, base_dec, base.meta["sac_region_path"])
+            write_decision(node, base_dec, graph_meta.region_path(base))
             changed += 1
     return gm, changed
 
@@ -164,7 +165,7 @@ def propagate_to_decompositions(gm: fx.GraphModule) -> PassResult:
         producer = _single_region_producer(node)
         if producer is not None:
             for n in _with_getitems(node):
-                write_decision(n, decision_of(producer), producer.meta["sac_region_path"])
+                write_decision(n, decision_of(producer), graph_meta.region_path(producer))
             changed += 1
     return gm, changed
 
@@ -181,7 +182,7 @@ def _single_region_producer(node: fx.Node) -> fx.Node | None:
             continue
         if decision_of(a) is None:
             return None
-        regions.add(a.meta.get("sac_region_id", a.meta.get("ac_graph_id")))
+        regions.add(graph_meta.region_id(a, graph_meta.ac_graph_id(a)))
         chosen = a
     if chosen is None or len(regions) != 1:
         return None
@@ -214,27 +215,25 @@ def carry_view_storage_to_bases(gm: fx.GraphModule) -> PassResult:
         base = _storage_base(node)
         new = _base_with_storage(node, base, dec)
         if new is _KEEP_ON_VIEW:
-            node.meta[VIEW_KEEPS_STORAGE] = True
+            graph_meta.mark_view_keeps_storage(node)
             changed += 1
             continue
         if new is None or new == decision_of(base):
             continue
         if by_call is None:
             by_call = _nodes_by_call(graph)
-        call = base.meta.get("sac_call")
+        call = graph_meta.call(base)
         for n in by_call[call] if call is not None else _with_getitems(base):
-            write_decision(n, new, base.meta["sac_region_path"])
+            write_decision(n, new, graph_meta.region_path(base))
         changed += 1
     return gm, changed
 
 
-#: On a view whose hooks its base cannot take: pass 6 leaves its decision as it is.
-VIEW_KEEPS_STORAGE = "sac_view_keeps_storage"
 _KEEP_ON_VIEW: Any = object()
 
 
 def _on_cpu(node: fx.Node) -> bool:
-    val = node.meta.get("val")
+    val = graph_meta.val(node)
     return isinstance(val, torch.Tensor) and val.device.type == "cpu"
 
 
@@ -244,7 +243,7 @@ def _decided_as_view(node: fx.Node) -> bool:
     if node.target is operator.getitem or not is_view(node) or \
             not isinstance(node.args[0] if node.args else None, fx.Node):
         return False
-    op = node.meta.get("sac_op")
+    op = graph_meta.op(node)
     if op is None:  # torch's own tags (pass 1) are per op: the node is the op decided
         return (decision_of(node).region or TORCH_REGION) == TORCH_REGION
     return op is node.target or (isinstance(op, OpOverload) and _is_view_op(op))
@@ -276,7 +275,7 @@ def _base_with_storage(view: fx.Node, base: fx.Node, dec: Decision) -> Any:
     opinion: Opinion = dec.hooks if dec.hooks is not None else dec.policy
     base_dec = decision_of(base)
     if base.op != "call_function" or base_dec is None or \
-            not isinstance(base.meta.get("val"), torch.Tensor):
+            not isinstance(graph_meta.val(base), torch.Tensor):
         return _cannot_take(view, base, dec, "an input, a parameter or a value from outside "
                                              "every region")
     view_vote = Vote(opinion, dec.region or TORCH_REGION,
@@ -320,7 +319,7 @@ def _cannot_take(view: fx.Node, base: fx.Node, dec: Decision, base_is: str) -> A
 
 
 def _op_label(node: fx.Node) -> str:
-    op = node.meta.get("sac_op", node.target)
+    op = graph_meta.op(node, node.target)
     return str(op) if isinstance(op, OpOverload) else getattr(op, "__name__", str(op))
 
 
@@ -334,7 +333,8 @@ def tag_views_like_their_base(gm: fx.GraphModule) -> PassResult:
     for node in _call_functions(gm.graph):
         dec = decision_of(node)
         if dec is None or node.target is operator.getitem or not is_view(node) or \
-                dec.policy is CheckpointPolicy.MUST_RECOMPUTE or VIEW_KEEPS_STORAGE in node.meta:
+                dec.policy is CheckpointPolicy.MUST_RECOMPUTE or \
+                graph_meta.view_keeps_storage(node):
             continue
         base = node.args[0] if node.args else None
         base_dec = decision_of(base) if isinstance(base, fx.Node) else None
@@ -346,12 +346,11 @@ def tag_views_like_their_base(gm: fx.GraphModule) -> PassResult:
             dec = dataclasses.replace(dec, policy=CheckpointPolicy.PREFER_SAVE, hooks=None)
         if dec is decision_of(node):
             continue
-        path = base.meta["sac_region_path"] if base_dec is not None \
-            else node.meta["sac_region_path"]
+        path = graph_meta.region_path(base if base_dec is not None else node)
         for n in _with_getitems(node):  # a multi-output view (split): its getitems too
             write_decision(n, dec, path)
         if base_dec is not None:
-            node.meta["sac_view_of"] = base.meta.get("sac_view_of", base.name)
+            graph_meta.set_view_of(node, graph_meta.view_of(base) or base.name)
         changed += 1
     return gm, changed
 
@@ -364,9 +363,9 @@ def drop_tracing_metadata(gm: fx.GraphModule) -> PassResult:
     passes reads them."""
     changed = 0
     for node in gm.graph.nodes:
-        asked = node.meta.pop("sac_ask", None) is not None
-        marked = node.meta.pop("sac_marked", None) is not None
-        kept = node.meta.pop(VIEW_KEEPS_STORAGE, None) is not None
+        asked = graph_meta.pop_ask(node) is not None
+        marked = graph_meta.pop_marked(node) is not None
+        kept = graph_meta.pop_view_keeps_storage(node)
         changed += asked or marked or kept
     return gm, changed
 
@@ -396,7 +395,7 @@ def _nodes_by_call(graph: fx.Graph) -> dict[int, list[fx.Node]]:
     ``getitem``s. A re-decided op writes its new decision to all of them."""
     by_call: dict[int, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        call = node.meta.get("sac_call")
+        call = graph_meta.call(node)
         if call is not None:
             by_call[call].append(node)
     return by_call

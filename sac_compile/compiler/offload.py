@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import graph_meta
+
 __all__ = ["TorchAPIMissing", "torch_api", "hooks_api", "DEFAULTS", "offload_options",
            "refusal", "apply_offload"]
 
@@ -175,7 +177,7 @@ def refusal(fw_node: fx.Node, fwd_outputs: Iterable[fx.Node], num_fwd_outputs: i
                        OrderedSet(static)):
         return None
     from ..cut import costs
-    val = fw_node.meta.get("val")
+    val = graph_meta.val(fw_node)
     if fw_node in outs[:num_fwd_outputs]:
         return "it is also an output of the compiled graph (the caller holds it)"
     if fw_node in static:
@@ -199,17 +201,17 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: list[str],
     wanted = set(names)
     for node in fw.graph.nodes:
         if node.name in wanted:
-            node.meta["should_offload"] = True
+            graph_meta.set_should_offload(node)
     from torch.utils._ordered_set import OrderedSet
     static = OrderedSet(n for n in fw.graph.find_nodes(op="placeholder")
                         if n.name in static_names)
-    device = next((n.meta["val"].device for n in fw.graph.nodes if n.name in wanted
-                   and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    device = next((graph_meta.val(n).device for n in fw.graph.nodes if n.name in wanted
+                   and isinstance(graph_meta.val(n), torch.Tensor)), None)
     options = offload_options(device, overrides)
     with api.functorch_config.patch(options):
         api.enable_activation_offloading(fw, bw, num_fwd_outputs, static)
     for node in fw.graph.nodes:
-        node.meta.pop("should_offload", None)
+        graph_meta.clear_should_offload(node)
     fw.recompile()
     bw.recompile()
     return options

@@ -12,7 +12,7 @@ code, which frees each value after its last use and the backward's inputs as con
   at once; a graph output lives to the graph's end;
 * a view (and an in-place or ``out=`` op) shares the storage of the value it aliases; a
   multi-output op makes one storage per tensor output (its ``getitem``s share them);
-* bytes come from ``node.meta["val"]`` (a symbolic size by its hint), as the cut's costs;
+* bytes come from ``graph_meta.val(node)`` (a symbolic size by its hint), as the cut's costs;
 * forward: every computed value (the forward's inputs and parameters are not counted);
   backward: the values the forward handed over (several saved views of one value count
   once; views of an input count nothing), the tangents, recomputed values and gradients
@@ -33,15 +33,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .. import graph_meta
 from ..report import MemoryPeak
 from ..cut import costs
 from ..cut.roles import Role, node_role
 
-__all__ = ["estimate_peak", "cut_peak", "storage_base", "REPLAYED_VALS"]
+__all__ = ["estimate_peak", "cut_peak", "storage_base"]
 
-#: ``bw.meta[REPLAYED_VALS]``: the values of the backward's replayed random ops by node name
-#: (torch's RNG functionalisation makes their ``run_with_rng_state`` nodes without one).
-REPLAYED_VALS = "sac_replayed_vals"
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
 
@@ -133,7 +131,7 @@ class _Walk:
 
     def _make(self, n: fx.Node, pos: int) -> list[Key | None]:
         out: list[Key | None] = []
-        val = n.meta["val"] if "val" in n.meta else self.vals.get(n.name)
+        val = graph_meta.val(n) if graph_meta.has_val(n) else self.vals.get(n.name)
         for i, t in enumerate(_tensors(val)):
             if not isinstance(t, torch.Tensor):
                 out.append(None)
@@ -153,7 +151,7 @@ class _Walk:
             return list(self.keys.get(src, ()))
         if n in self.made_by_producer:
             return self.made_by_producer[n]
-        if "val" not in n.meta and n.name not in self.vals and n.op == "call_function":
+        if not graph_meta.has_val(n) and n.name not in self.vals and n.op == "call_function":
             # No value (torch's RNG functionalisation makes its run_and_save_rng_state
             # nodes without one): its outputs, the values of the getitems that read them,
             # exist from this node on.
@@ -195,7 +193,7 @@ class _Walk:
 
 
 def _region(node: fx.Node | None) -> str:
-    path = node.meta.get("sac_region_path") if node is not None else None
+    path = graph_meta.region_path(node) if node is not None else None
     return path[-1] if path else ""
 
 
@@ -237,7 +235,7 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     by_name = {n.name: n for n in joint.graph.nodes}
     fw_walk = _Walk(list(fw.graph.nodes), given=fw.graph.find_nodes(op="placeholder"))
     bw_walk = _Walk(list(bw.graph.nodes), given=bw.graph.find_nodes(op="placeholder"),
-                    vals=bw.meta.get(REPLAYED_VALS))
+                    vals=graph_meta.replayed_vals(bw))
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: by_name.get(n.name))
     fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
     bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .. import graph_meta
 from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
 from ..markers import encode_opinion, name_op, tag_op
@@ -87,8 +88,8 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
             group = group_of_token(context_fn.args[0])
             name = name_in_graph(group, node)
             if name != group.name:
-                body.meta["_checkpoint_context_fn"] = functools.partial(
-                    region_contexts, context_fn.args[0], name)
+                graph_meta.set_checkpoint_context_fn(body, functools.partial(
+                    region_contexts, context_fn.args[0], name))
                 renamed += 1
     return renamed
 

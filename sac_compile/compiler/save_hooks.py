@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .. import graph_meta
 from ..policy import SaveWithHooks
 from .offload import hooks_api
 
@@ -127,7 +128,7 @@ def _name(fn: Any) -> str:
 
 def _output_vals(gm: fx.GraphModule) -> list[Any]:
     out = gm.graph.find_nodes(op="output")[0]
-    return [a.meta.get("val") if isinstance(a, fx.Node) else a
+    return [graph_meta.val(a) if isinstance(a, fx.Node) else a
             for a in pytree.tree_leaves(out.args[0])]
 
 
@@ -169,9 +170,9 @@ def _copy_into(graph: fx.Graph, owner: fx.GraphModule, sub: fx.GraphModule,
         else:
             new = graph.node_copy(n, lambda a: env[a])
             new.name = graph._graph_namespace.create_name(f"{prefix}_{n.name}", None)
-        val = new.meta.get("val")
-        if isinstance(val, torch.Tensor) and "tensor_meta" not in new.meta:
-            new.meta["tensor_meta"] = api.extract_tensor_metadata(val)
+        val = graph_meta.val(new)
+        if isinstance(val, torch.Tensor) and not graph_meta.has_tensor_meta(new):
+            graph_meta.set_tensor_meta(new, api.extract_tensor_metadata(val))
         env[n] = new
     out = sub.graph.find_nodes(op="output")[0]
     return [env[a] if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(out.args[0])]
@@ -212,8 +213,8 @@ def apply_hooks(fw: fx.GraphModule, bw: fx.GraphModule, traced: dict[str, Traced
                 leaf = bgraph.placeholder(f"{node.name}_packed" + (f"_{i}" if i else ""))
             leaf.meta.update({k: v for k, v in ph.meta.items()
                               if k in ("saved_tensor_with_no_vc_check",)})
-            leaf.meta["val"] = val
-            leaf.meta["tensor_meta"] = api.extract_tensor_metadata(val)
+            graph_meta.set_val(leaf, val)
+            graph_meta.set_tensor_meta(leaf, api.extract_tensor_metadata(val))
             leaves.append(leaf)
             cursor = leaf
         first = min(ph.users, key=border.__getitem__)

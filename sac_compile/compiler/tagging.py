@@ -4,21 +4,13 @@ While AOTAutograd traces a region (torch's ``tag_activation_checkpoint`` HOP, en
 our ``context_fn``), :class:`SACTaggingMode` sees every ATen op the region runs, asks the
 policies of *all* active regions (outermost first) through :func:`sac_compile.policy.decide`
 - the very function the eager runtime uses - and writes the decision on the graph nodes
-the op created:
-
-* ``node.meta["recompute"]``: torch's key and enum, so torch's own passes understand it;
-* ``node.meta["sac_decision"]``: the :class:`~sac_compile.policy.Decision`;
-* ``node.meta["sac_region_path"]``: the names of the active regions, outermost first;
-* ``node.meta["sac_source"]``: ``policy`` | ``tag`` | ``name`` | ``default`` | ``resolution``;
-* ``node.meta["sac_call"]``: one id per dispatched op, shared by its decomposition and its
-  ``getitem`` nodes, so that :mod:`.normalize` keeps them consistent;
-* ``node.meta["sac_op"]``: that dispatched op (``aten.gelu.default`` on the nodes of its
-  decomposition under Inductor);
-* ``node.meta["sac_ask"]``: what is needed to ask the policies again when ``name()``
-  labels the output later (removed by :mod:`.normalize`);
-* ``node.meta["sac_region_id"]`` / ``["sac_outer_region_id"]``: the innermost and the
-  outermost region call that ran the op. The eager runtime records one outermost region
-  call at a time; a ``tag()`` in it may only name values that call produced.
+the op created (the keys are in :mod:`sac_compile.graph_meta`): torch's ``recompute`` (so
+torch's own passes understand it) and ``ac_graph_id``; our decision, region path, dispatched
+op and its call id (shared by its decomposition and its ``getitem`` nodes, so that
+:mod:`.normalize` keeps them consistent), what it takes to ask the policies again when
+``name()`` labels the output later (removed by :mod:`.normalize`), and the innermost and
+outermost region call that ran the op. The eager runtime records one outermost region call
+at a time; a ``tag()`` in it may only name values that call produced.
 
 Nested regions: only the innermost of our active modes writes, with the frames of all of
 them, so outer and inner opinions resolve as in eager mode (torch lets the inner one win).
@@ -43,8 +35,8 @@ Who runs the region (:func:`region_contexts`, the ``context_fn`` of every region
 ``sac_compile::tag_marker`` / ``sac_compile::name_marker`` (:mod:`sac_compile.markers`, where a
 ``SaveWithHooks`` opinion keeps its hooks); :mod:`.normalize` folds them into the decision
 of the producer and removes them from the graph. A marker traced inside a region carries
-``node.meta["sac_marker_region"]`` = (outermost region call, innermost region name); one
-traced outside every region carries nothing and is a no-op, as in eager mode.
+:data:`~sac_compile.graph_meta.MARKER_REGION` = (outermost region call, innermost region
+name); one traced outside every region carries nothing and is a no-op, as in eager mode.
 """
 from __future__ import annotations
 
@@ -57,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from .. import graph_meta
 from ..errors import CompiledCheckpointError, reraise_compiled
 from ..logs import warn_once_per_region
 from ..per_call import fresh_frame
@@ -68,13 +61,7 @@ from ..markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_
 from ..cut.roles import is_joint_graph
 from .who_splits import partitioned_by_us, sac_partitioning  # noqa: F401  (re-exported)
 
-__all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointError",
-           "META_KEYS"]
-
-META_KEYS = ("sac_decision", "sac_region_path", "sac_source", "sac_call", "sac_op", "sac_ask",
-             "sac_region_id", "sac_outer_region_id", "sac_marker_region", "sac_marked",
-             "sac_region_budgets",
-             "sac_view_of", "sac_view_keeps_storage")
+__all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointError"]
 
 _state = threading.local()
 _call_ids = itertools.count()
@@ -155,7 +142,7 @@ class SACTaggingMode(TorchDispatchMode):
             return out
         if func in _MARKER_OPS:
             for node in itertools.islice(reversed(graph.nodes), new):
-                node.meta["sac_marker_region"] = (stack[0].region_id, self.frame.name)
+                graph_meta.set_marker_region(node, stack[0].region_id, self.frame.name)
                 if node.target in _MARKER_OPS:
                     _check_marker(node)
             if func is TAG_OP:  # a tag decides: the region's policies are not inert
@@ -187,17 +174,16 @@ class SACTaggingMode(TorchDispatchMode):
                 # A graph without tangents is never partitioned; torch's forward-loss-
                 # backward remat pass runs on it instead and refuses random ops tagged for
                 # recompute (even when no backward is traced in it): keep their values.
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            node.meta["sac_call"] = call
-            node.meta["sac_op"] = func  # the op the policies were asked about
-            node.meta["sac_region_id"] = self.region_id
-            node.meta["sac_outer_region_id"] = stack[0].region_id
+                graph_meta.set_recompute(node, CheckpointPolicy.MUST_SAVE)
+            graph_meta.set_call(node, call)
+            graph_meta.set_op(node, func)  # the op the policies were asked about
+            graph_meta.set_region_ids(node, self.region_id, stack[0].region_id)
             if budgets:  # memory budgets of the active regions (cut/region_budgets.py)
-                node.meta["sac_region_budgets"] = budgets
-            node.meta["ac_graph_id"] = self.ac_graph_id if self.ac_graph_id is not None \
-                else self.region_id
+                graph_meta.set_region_budgets(node, budgets)
+            graph_meta.set_ac_graph_id(node, self.ac_graph_id if self.ac_graph_id is not None
+                                       else self.region_id)
             if ask is not None:
-                node.meta["sac_ask"] = ask
+                graph_meta.set_ask(node, ask)
         return out
 
 
@@ -223,32 +209,31 @@ def _check_marker(marker: torch.fx.Node) -> None:
     for it later: a foreign tensor, or a conflict the tag or label creates. Raising here
     keeps the order of errors the same as in eager (the first error in program order)."""
     producer = marker_producer(marker)
-    outer, region = marker.meta["sac_marker_region"]
+    outer, region = graph_meta.marker_region(marker)
     what = "tag()" if marker.target is TAG_OP else "name()"
-    if producer.meta.get("sac_outer_region_id") != outer:
+    if graph_meta.outer_region_id(producer) != outer:
         raise CompiledCheckpointError(foreign_tensor_message(what, region))
-    ask = producer.meta.get("sac_ask")
+    ask = graph_meta.ask(producer)
     if ask is None:
         return
-    tag, names = producer.meta.get("sac_marked", (None, frozenset()))
+    tag, names = graph_meta.marked(producer)
     if marker.target is TAG_OP:
         tag = decode_opinion(marker.args[1])
     else:
         names = names | {marker.args[1]}
-    producer.meta["sac_marked"] = (tag, names)
+    graph_meta.set_marked(producer, tag, names)
     frames, func, args, kwargs, out = ask
     try:
         decide(frames, func, args, kwargs, out, names=names, tag=tag,
-               tag_region=producer.meta["sac_region_path"][-1])
+               tag_region=graph_meta.region_path(producer)[-1])
     except CheckpointError as e:
         reraise_compiled(e)
 
 
 def write_decision(node: torch.fx.Node, decision: Decision, path: tuple[str, ...]) -> None:
-    node.meta["recompute"] = decision.policy
-    node.meta["sac_decision"] = decision
-    node.meta["sac_region_path"] = path
-    node.meta["sac_source"] = decision.source
+    graph_meta.set_recompute(node, decision.policy)
+    graph_meta.set_decision(node, decision)
+    graph_meta.set_region_path(node, path)
 
 
 class NoOpMode(TorchDispatchMode):

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from .. import graph_meta
 from ..budgets import budget_label, check_budget  # noqa: F401  (re-exported)
 from ..errors import CompiledCheckpointError
 from . import costs
@@ -267,7 +268,7 @@ def _explain_budget(net: FlowNetwork, saved: list[fx.Node], budget: float | int,
     idx = net.cls.index
 
     def where(v: fx.Node) -> str:
-        path = v.meta.get("sac_region_path")
+        path = graph_meta.region_path(v)
         return f" in region {path[-1]!r}" if path else " (outside every region)"
 
     acts = sorted((v for v in saved if _is_activation(net, idx[v])),

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import py_sym_types
 from torch.utils import _pytree as pytree
 
+from .. import graph_meta
 from ..op_costs import hint as _hint
 from ..op_costs import op_flops
 
@@ -31,7 +32,7 @@ def _tensor_bytes(t: Any) -> int:
 
 def nbytes(node: fx.Node) -> int:
     """Bytes of the node's output (a SymInt counts as 1 byte; tuples sum their tensors)."""
-    val = node.meta.get("val")
+    val = graph_meta.val(node)
     if isinstance(val, py_sym_types):
         return 1
     if isinstance(val, torch.Tensor):
@@ -42,7 +43,7 @@ def nbytes(node: fx.Node) -> int:
 
 
 def _val(a: Any) -> Any:
-    return a.meta.get("val") if isinstance(a, fx.Node) else a
+    return graph_meta.val(a) if isinstance(a, fx.Node) else a
 
 
 def flops(node: fx.Node) -> int:
@@ -50,7 +51,7 @@ def flops(node: fx.Node) -> int:
     if node.op != "call_function":
         return 0
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
-    count, _ = op_flops(node.target, args, kwargs, node.meta.get("val"))
+    count, _ = op_flops(node.target, args, kwargs, graph_meta.val(node))
     return _hint(count, fallback=0)
 
 
@@ -75,7 +76,7 @@ def _memory_bytes(t: Any) -> int:
 
 
 def _read_bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
+    val = graph_meta.val(node)
     if isinstance(val, py_sym_types):
         return 1
     return sum(_memory_bytes(v) for v in pytree.tree_leaves(val))
@@ -135,7 +136,7 @@ def rng_state_bytes(node: fx.Node) -> int:
     """Bytes of the RNG state kept for the backward when the random op ``node`` is
     recomputed (torch's RNG functionalisation saves its generator's state): the CPU
     generator's whole state (5,056 bytes), an accelerator's seed and offset (16)."""
-    val = node.meta.get("val")
+    val = graph_meta.val(node)
     if isinstance(val, (list, tuple)):
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
     if isinstance(val, torch.Tensor) and val.device.type == "cpu":
@@ -155,7 +156,7 @@ def op_label(node: fx.Node) -> str:
 
 
 def is_sym(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), py_sym_types)
+    return isinstance(graph_meta.val(node), py_sym_types)
 
 
 def is_opaque(node: fx.Node) -> bool:
@@ -166,7 +167,7 @@ def is_opaque(node: fx.Node) -> bool:
     from torch._library.fake_class_registry import FakeScriptObject
     from torch.fx.experimental._backward_state import BackwardState
 
-    val = node.meta.get("val")
+    val = graph_meta.val(node)
     if isinstance(val, (BackwardState, FakeScriptObject, torch.ScriptObject)):
         return True
     try:

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import graph_meta
 from ..policy import CheckpointPolicy
 from . import costs
 from .reasons import Reason, ReasonKind
@@ -130,7 +131,7 @@ def classify(gm: fx.GraphModule, num_fwd_outputs: int) -> Classification:
     # Inputs the forward mutates hold other values by backward time: never saved as such.
     mutated_descs = [d.mutated_input for d in fwd_descs if isinstance(d, InputMutationAOTOutput)]
     mutated = {n for n in gm.graph.find_nodes(op="placeholder")
-               if n.meta.get("desc") is not None and n.meta["desc"] in mutated_descs}
+               if graph_meta.desc(n) is not None and graph_meta.desc(n) in mutated_descs}
     backward: set[fx.Node] = set()
     nodes: list[fx.Node] = []
     for n in gm.graph.nodes:
@@ -252,7 +253,7 @@ def _tie_break(v: fx.Node) -> float:
                                     and isinstance(base.args[0], fx.Node)
                                     and costs.is_view(base.args[0]))):
         base = base.args[0]
-        bdec = base.meta.get("sac_decision") if isinstance(base, fx.Node) else None
+        bdec = graph_meta.decision(base) if isinstance(base, fx.Node) else None
         storage = storage or (bdec is not None and bdec.stored_off_device)
     if base is v:
         return 0.0
@@ -276,7 +277,7 @@ def can_leave_device(v: fx.Node, forward_outputs: set[fx.Node]) -> bool:
     """What torch's offload pass accepts (its ``can_offload``), decided before the cut: a
     contiguous tensor computed on an accelerator, not a view or one output of a
     multi-output op, not an output of the compiled graph."""
-    val = v.meta.get("val")
+    val = graph_meta.val(v)
     return (v.op == "call_function" and isinstance(val, torch.Tensor)
             and val.device.type != "cpu" and not costs.is_view(v)
             and v.target is not operator.getitem and v not in forward_outputs
@@ -305,9 +306,9 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
     recompute_cost: list[float] = []
     bans: dict[fx.Node, Reason] = {}
     for i, v in enumerate(cls.nodes):
-        dec = v.meta.get("sac_decision")
+        dec = graph_meta.decision(v)
         policy = dec.policy if dec is not None else None
-        val = v.meta.get("val")
+        val = graph_meta.val(v)
         # -- saving v
         if policy is P.MUST_RECOMPUTE or v in cls.mutated_inputs:
             save = INF

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from .. import graph_meta
 from ..errors import CompiledCheckpointError
 from .budget import TILT, EXACT_TIME_LIMIT, BudgetResult, Cut, _cut, _is_activation
 from .network import FlowNetwork
@@ -76,7 +77,7 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
         if v.op != "call_function":
             continue
         b = _get_memory_budget_annotation(v) if _get_memory_budget_annotation else None
-        call = v.meta.get("sac_outer_region_id")
+        call = graph_meta.outer_region_id(v)
         if b is None:
             rest.append(v)
             if call is None:
@@ -87,7 +88,7 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
             run, last = run + 1, (b, call)
         key = (b, call) if call is not None else (b, "run", run)
         if key not in groups:
-            path = v.meta.get("sac_region_path")
+            path = graph_meta.region_path(v)
             where = f"region {path[0]!r}" if path else "outside regions"
             groups[key] = BudgetGroup(f"region_activation_memory_budget({b:g}): {where}", b, [])
         groups[key].nodes.append(v)
@@ -111,7 +112,7 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
     groups: dict[object, BudgetGroup] = {}
     names: dict[object, set[str]] = {}
     for v in nodes:
-        for region_id, name, budget in v.meta.get("sac_region_budgets", ()):
+        for region_id, name, budget in graph_meta.region_budgets(v):
             assert isinstance(budget, RegionBudget)
             model = budget.model
             key = ("model", id(model)) if model is not None else ("region", region_id)
@@ -250,7 +251,7 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
         by_region: dict[str, set[int]] = {}
         for v in group.nodes:
             if v in idx:
-                for _, name, budget in v.meta.get("sac_region_budgets", ()):
+                for _, name, budget in graph_meta.region_budgets(v):
                     if budget.model is group.model:
                         by_region.setdefault(name, set()).add(idx[v])
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
+from .. import graph_meta
+
 __all__ = ["Role", "node_role", "forward_inputs", "static_inputs", "is_joint_graph"]
 
 
@@ -48,7 +50,7 @@ class Role(enum.Enum):
 def node_role(node: fx.Node) -> Role:
     if node.op != "placeholder":
         return Role.VALUE
-    desc = node.meta.get("desc")
+    desc = graph_meta.desc(node)
     if desc is not None:
         role = _role_from_descriptor(desc)
         if role is not None:

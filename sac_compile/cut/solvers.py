@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
+from .. import graph_meta
 from ..errors import CompiledCheckpointError
 from ..policy import CheckpointPolicy
 from . import costs
@@ -129,12 +130,12 @@ def _explain_infeasible(net: FlowNetwork) -> str:
              and net.save_cost[net.cls.index[v]] == INF]
     stuck.sort(key=lambda v: v not in net.cls.needed_in_bw)
     def where(v: fx.Node) -> str:
-        path = v.meta.get("sac_region_path") or ()
+        path = graph_meta.region_path(v) or ()
         return f" in region {path[-1]!r}" if path else ""
 
     # A stuck graph input is forced by the ops that must recompute from it: name those.
     culprits = [u for v in stuck if v.op == "placeholder" for u in v.users
-                if getattr(u.meta.get("sac_decision"), "policy", None) is P.MUST_RECOMPUTE]
+                if getattr(graph_meta.decision(u), "policy", None) is P.MUST_RECOMPUTE]
     names = ", ".join([f"{costs.op_label(u)}{where(u)} (MUST_RECOMPUTE, reads a graph input "
                        f"the forward mutates, which cannot be saved)" for u in culprits[:3]]
                       + [f"{costs.op_label(v)}{where(v)} ({v.name}: {net.ban_reason[v]})"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .. import graph_meta
 from .network import INF, FlowNetwork
 
 __all__ = ["keep_stand_ins_off_device", "kept_in_place"]
@@ -24,7 +25,7 @@ __all__ = ["keep_stand_ins_off_device", "kept_in_place"]
 
 def _offloaded(net: FlowNetwork, i: int) -> bool:
     """The policy asked for the host, and the value can go there."""
-    dec = net.cls.nodes[i].meta.get("sac_decision")
+    dec = graph_meta.decision(net.cls.nodes[i])
     return dec is not None and dec.offloads and dec.saves and net.save_cost[i] == INF \
         and net.offload_cost[i] != INF
 
@@ -33,17 +34,17 @@ def _derived(d: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
     """Forward-side values computed from ``d`` within its region call, or by the backward
     formulas of its ops, through values that have no save decision of their own (graph
     order)."""
-    call = d.meta.get("sac_outer_region_id")
+    call = graph_meta.outer_region_id(d)
     out, seen, stack = [], {d}, list(d.users)
     while stack:
         u = stack.pop()
         if u in seen or u not in index or u.op != "call_function":
             continue
         seen.add(u)
-        dec = u.meta.get("sac_decision")
-        formula = u.meta.get("autograd_backward") or u.meta.get("partitioner_tag") == \
+        dec = graph_meta.decision(u)
+        formula = graph_meta.autograd_backward(u) or graph_meta.partitioner_tag(u) == \
             "is_backward"  # a backward formula's value that needs no tangent: cos(mm)
-        if call is None or not (formula or u.meta.get("sac_outer_region_id") == call) or \
+        if call is None or not (formula or graph_meta.outer_region_id(u) == call) or \
                 (dec is not None and dec.saves):
             continue
         out.append(u)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import graph_meta
 from .graph import LeafRef, OpNode, OutRef, SavedHandle, map_refs
 
 __all__ = ["RegionGraph", "region_network"]
@@ -70,7 +71,7 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
         ph = leaves.get(id(ref))
         if ph is None:
             ph = leaves[id(ref)] = g.placeholder(f"input_{len(leaves)}")
-            ph.meta["val"] = ref.value
+            graph_meta.set_val(ph, ref.value)
             device = device or ref.value.device
             if ref.is_parameter:
                 static.add(ph)
@@ -96,16 +97,16 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
         single = len(node.outs) == 1 and node.outs[0] is not None
         values = [call] if single else []
         if single:
-            call.meta["val"] = vals[0]
+            graph_meta.set_val(call, vals[0])
             outs[(id(node), 0)] = call
             where[call], ops[call] = (node.seq, 0), node
         else:
-            call.meta["val"] = tuple(vals)
+            graph_meta.set_val(call, tuple(vals))
             for i, facts in enumerate(node.outs):
                 if facts is None:
                     continue
                 item = g.call_function(operator.getitem, (call, i))
-                item.meta["val"] = vals[i]
+                graph_meta.set_val(item, vals[i])
                 _meta(item, node)
                 outs[(id(node), i)] = item
                 where[item], ops[item] = (node.seq, i), node
@@ -123,8 +124,8 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
                          set(), needed, [], [])
     packed = {v: packed_bytes[(id(ops[v]), i)] for v, (_, i) in where.items()
               if (id(ops[v]), i) in packed_bytes}
-    can_offload = any(isinstance(v.meta.get("val"), torch.Tensor)
-                      and v.meta["val"].device.type not in ("cpu", "meta") for v in nodes_fx)
+    can_offload = any(isinstance(graph_meta.val(v), torch.Tensor)
+                      and graph_meta.val(v).device.type not in ("cpu", "meta") for v in nodes_fx)
     net = build_flow_network(None, cls, CostModel(), static_inputs=static,
                              rng_functionalized=True, packed_bytes=packed,
                              can_offload=can_offload)
@@ -136,13 +137,13 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
 
 
 def _meta(v: fx.Node, node: OpNode) -> None:
-    v.meta["sac_decision"] = node.decision
-    v.meta["sac_region_path"] = tuple(f.name for f in node.frames) or (node.ctx.name,)
-    v.meta["sac_outer_region_id"] = 0
+    graph_meta.set_decision(v, node.decision)
+    graph_meta.set_region_path(v, tuple(f.name for f in node.frames) or (node.ctx.name,))
+    graph_meta.set_outer_region_id(v, 0)
     # An in-place op replays into copies here (compiled graphs are functional): not one
     # that must run in the forward (torch's rule for mutable ops in a joint graph).
     if getattr(node.op, "_schema", None) is not None and node.op._schema.is_mutable:
-        v.meta["partitioner_tag"] = "is_backward"
+        graph_meta.set_partitioner_tag(v, "is_backward")
 
 
 @dataclasses.dataclass

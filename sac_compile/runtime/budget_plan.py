@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from .. import graph_meta
 from ..policy import CheckpointError
 from .budget_graph import Plan, RegionGraph, plan_of_cut, region_network
 
@@ -83,7 +84,7 @@ def evicted_values(rg: RegionGraph, evicted: list[fx.Node], budget: Any
     for v in evicted:
         if v not in rg.where:
             continue
-        dec = v.meta.get("sac_decision")
+        dec = graph_meta.decision(v)
         what = dec.label if dec is not None else "min-cut save"
         out.append((rg.where[v][0], rg.where[v][1], costs.nbytes(v),
                     f"{what} overridden by memory budget {budget_label(budget)}: recomputed "

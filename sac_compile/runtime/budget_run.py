@@ -128,7 +128,7 @@ class BudgetRun:
                     records.append(SavedValueRecord(
                         f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
                         0 if key in seen else nbytes(t), node.decision.reason(), node.region,
-                        "budget"))
+                        "budget", node.decision.is_must and node.decision.hooks is None))
                     seen.add(key)
             node.kept, node.kept_versions = kept, versions
         self.held.clear()

@@ -14,12 +14,13 @@ from ..policy import Decision
 class SavedValueRecord:
     """One value the runtime keeps for backward."""
 
-    __slots__ = ("name", "op", "nbytes", "reason", "region", "decision")
+    __slots__ = ("name", "op", "nbytes", "reason", "region", "decision", "must")
 
     def __init__(self, name: str, op: str, nbytes: int, reason: str, region: str,
-                 decision: str) -> None:
+                 decision: str, must: bool = False) -> None:
         self.name, self.op, self.nbytes, self.reason = name, op, nbytes, reason
         self.region, self.decision = region, decision
+        self.must = must  # a MUST decision (not hooks) keeps it: what its reason names
 
     def __repr__(self) -> str:
         return f"SavedValueRecord({self.name}, {self.op}, {self.nbytes} B, {self.reason!r})"

@@ -1,0 +1,104 @@
+"""Deciding a split: the flow network of a tagged joint graph, and the cut chosen on it.
+
+:func:`flow_network` classifies the joint graph's nodes and builds the min-cut network
+(:mod:`sac_compile.cut.network`), with what an offload decision keeps off the device
+(:mod:`sac_compile.cut.stand_ins`). :func:`choose_cut` solves it - plainly, under a memory
+budget for the split, or under the budgets of the regions in it - each through the
+region-boundary floor where that lowers the peak (:mod:`.boundaries`). It edits no graph
+(the floor marks the boundary values it keeps, for their reason) and words nothing: the
+:class:`Cut` it returns is typed facts, worded by :mod:`.describe`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .. import graph_meta
+from ..cut.budget import BudgetResult, solve_with_budget
+from ..cut.network import CostModel, FlowNetwork, build_flow_network, classify
+from ..cut.region_budgets import (region_budget_annotations, solve_with_region_budgets,
+                                  torch_global_budget)
+from ..cut.solvers import solve
+from ..cut.stand_ins import keep_stand_ins_off_device
+from .boundaries import solve_lowering_peak
+from .facts import Floor, HostWhy
+from .storage import HookTraces, packed_sizes
+
+__all__ = ["Cut", "flow_network", "choose_cut"]
+
+
+@dataclasses.dataclass
+class Cut:
+    """The values a split keeps for the backward, and why."""
+
+    saved: list[fx.Node]
+    # Values the cut keeps on the host though no policy asked for it, and why.
+    host: list[fx.Node] = dataclasses.field(default_factory=list)
+    host_why: HostWhy | None = None
+    # Values computed from offloaded ones that may not stay on the device in their place.
+    stand_ins: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+    memory_budget: float | int | None = None  # the partitioner's, as given
+    torch_budget_ignored: float | None = None  # torch's global budget, not applied
+    budget: BudgetResult | None = None         # under a budget (the split's or regions')
+    region_lines: list[str] = dataclasses.field(default_factory=list)  # per budget group
+    floor: Floor = Floor()
+
+
+def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
+                 cost_model: CostModel, traces: HookTraces
+                 ) -> tuple[FlowNetwork, dict[fx.Node, fx.Node]]:
+    """The min-cut network of ``gm``, and the stand-ins banned from the device (see
+    :mod:`sac_compile.cut.stand_ins`)."""
+    cls = classify(gm, num_fwd_outputs)
+    net = build_flow_network(gm, cls, cost_model, static_inputs=static,
+                             rng_functionalized=True, packed_bytes=packed_sizes(gm, traces),
+                             can_offload=_offload_pass_available(gm))
+    return net, keep_stand_ins_off_device(net)
+
+
+def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx.Node],
+               memory_budget: float | int | None, solver: str) -> Cut:
+    """The cut of ``net``: without a budget, under ``memory_budget``, or under the regions'
+    budgets (torch's global ``activation_memory_budget`` is honoured as the regions' when
+    the partitioner has none: torch ignores it once a region is in the graph)."""
+    torch_budget = torch_global_budget()
+    regions = region_budget_annotations(net.cls.nodes,
+                                        torch_budget if memory_budget is None else None)
+    ignored = torch_budget if torch_budget is not None and memory_budget is not None else None
+    if memory_budget is None and not regions:
+        (saved, _), floor = solve_lowering_peak(gm, net, lambda n: solve(n, solver),
+                                                lambda r: r[0])
+        return Cut(saved, [v for v in net.offloaded(saved) if not _marked_offload(v)],
+                   HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor)
+    lines: list[str] = []
+    if regions:
+        (res, lines), floor = solve_lowering_peak(
+            gm, net, lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),
+            lambda r: r[0].saved)
+    else:
+        res, floor = solve_lowering_peak(
+            gm, net, lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
+    return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
+               HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, lines, floor)
+
+
+def _marked_offload(node: fx.Node) -> bool:
+    dec = graph_meta.decision(node)
+    return dec is not None and dec.offloads
+
+
+def _offload_pass_available(gm: fx.GraphModule) -> bool:
+    """Whether values of this graph can leave the device: some are on an accelerator, and
+    this torch has the offload pass (without it, MUST_CPU_OFFLOAD is an error and the rest
+    stays on the device: see :mod:`.storage`)."""
+    if not any(isinstance(graph_meta.val(n), torch.Tensor) and graph_meta.val(n).device.type
+               != "cpu" for n in gm.graph.nodes):
+        return False
+    from .offload import TorchAPIMissing, torch_api
+    try:
+        torch_api()
+    except TorchAPIMissing:
+        return False
+    return True

@@ -1,0 +1,45 @@
+"""The typed facts the partitioner's steps hand to :mod:`.describe`, which words them.
+
+A step (choosing the cut, extracting the graphs, keeping the saved values) records *what*
+it decided here, as enums and dataclass fields; only :mod:`.describe` turns them into the
+:class:`~sac_compile.report.PartitionReport`'s sentences, and no code reads a meaning back
+from a sentence. This module imports nothing of ours, so every step and the describing
+module can share it without an import cycle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+__all__ = ["HostWhy", "Floor", "Storage"]
+
+
+class HostWhy(enum.Enum):
+    """Why the cut keeps values on the host that no policy asked to offload."""
+
+    CHEAPEST = "cheapest"  # no budget: transferring costs less than keeping or recomputing
+    BUDGET = "budget"      # to meet a memory budget: transferring costs less than recomputing
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """What the region-boundary floor (:mod:`.boundaries`) did to a cut: nothing (no value
+    was recomputed across regions, or the floor did not lower the peak), kept ``held``
+    boundary values (the estimated peak went from ``peak_before`` to ``peak_after``), or
+    could not be applied (``refused``: the first line of the error the floored solve
+    raised)."""
+
+    held: tuple[Any, ...] = ()      # fx.Nodes kept by the floor
+    held_bytes: int = 0
+    peak_before: int = 0
+    peak_after: int = 0
+    refused: str | None = None
+
+
+class Storage(enum.Enum):
+    """How a saved value is kept for the backward (:mod:`.storage`)."""
+
+    OFFLOAD = "offload"  # torch's offload pass moves it to the host and back
+    HOOKS = "hooks"      # packed by SaveWithHooks traced into both graphs
+    DEVICE = "device"    # decided for CPU offload, kept on the device as is
