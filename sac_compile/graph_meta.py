@@ -316,8 +316,10 @@ def clear_should_offload(node: fx.Node) -> None:
     node.meta.pop(SHOULD_OFFLOAD, None)
 
 
-def checkpoint_context_fn(module: fx.GraphModule) -> Any:
-    return module.meta.get(CHECKPOINT_CONTEXT_FN)
+def checkpoint_context_fn(module: Any) -> Any:
+    """The ``context_fn`` torch's checkpoint op keeps on its subgraph module (None when
+    ``module`` is none, or has no ``meta``)."""
+    return getattr(module, "meta", {}).get(CHECKPOINT_CONTEXT_FN)
 
 
 def set_checkpoint_context_fn(module: fx.GraphModule, value: Any) -> None:

@@ -82,7 +82,7 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
             continue
         for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
             body = getattr(owner, getattr(node.args[0], "target", ""), None)
-            context_fn = getattr(body, "meta", {}).get("_checkpoint_context_fn")
+            context_fn = graph_meta.checkpoint_context_fn(body)
             if context_fn_kind(context_fn) != "region" or len(context_fn.args) != 1:
                 continue
             group = group_of_token(context_fn.args[0])
@@ -314,7 +314,7 @@ def quiet_torch_context_fn_warning() -> None:
             context_fn = caller.get("context_fn")
             if context_fn is None:  # torch 2.11 reads it from the graph after the warning
                 gmod = caller.get("gmod")
-                context_fn = getattr(gmod, "meta", {}).get("_checkpoint_context_fn")
+                context_fn = graph_meta.checkpoint_context_fn(gmod)
             if _is_ours(context_fn):
                 return None
         return original(logger_obj, *args, **kwargs)
