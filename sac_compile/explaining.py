@@ -93,18 +93,21 @@ class _RecomputeFlops(TorchDispatchMode):
     def __init__(self, stats: Any, on_replay: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.on_replay = on_replay  # told right after a replayed op is found
-        from .op_costs import op_flops
-        self._op_flops = op_flops
+        from .op_costs import is_cost_estimated, op_flops
+        self._op_flops, self._is_cost_estimated = op_flops, is_cost_estimated
         self.stats = stats
         self.seen = len(stats.recomputed_ops)
-        self.last: tuple[str, int] | None = None
+        self.last: tuple[str, int, bool] | None = None
         self.flops = 0
+        self.estimated: set[str] = set()  # replayed ops whose FLOPs are estimated
 
     def settle(self) -> None:
         n = len(self.stats.recomputed_ops)
         if n != self.seen and self.last is not None and n == self.seen + 1 \
                 and self.stats.recomputed_ops[-1] == self.last[0]:
             self.flops += self.last[1]
+            if self.last[2]:
+                self.estimated.add(self.last[0])
             if self.on_replay is not None:
                 self.on_replay()
         self.seen, self.last = n, None
@@ -113,7 +116,7 @@ class _RecomputeFlops(TorchDispatchMode):
         self.settle()
         out = func(*args, **(kwargs or {}))
         count, _ = self._op_flops(func, args, kwargs or {}, out)
-        self.last = (op_name(func), int(count))
+        self.last = (op_name(func), int(count), self._is_cost_estimated(func))
         return out
 
 
@@ -183,6 +186,7 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
     report.recomputed = list(stats.recomputed_ops)
     report.recomputed_regions = ["?"] * len(report.recomputed)
     report.recompute_flops = counter.flops
+    report.estimated_labels = counter.estimated
     report.outside_bytes = outside.nbytes
     report.peak = _measured_peak(meter)
     # Memory budgets: each plan, and what the policy saved that a budget's cut recomputes.
@@ -263,6 +267,7 @@ def _explain_compiled(fn: Callable[..., Any], args: tuple, kwargs: dict,
         merged.recomputed_regions += r.recomputed_regions
         merged.recompute_flops += r.recompute_flops
         merged.notes += r.notes
+        merged.estimated_labels |= r.estimated_labels
         for k, v in r.timings.items():
             merged.timings[k] = merged.timings.get(k, 0.0) + v
         merged.solver = r.solver

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
-
-import torch
 
 
 __all__ = ["PartitionReport", "SavedTensorRecord", "MemoryPeak", "fmt_bytes"]
@@ -117,6 +114,9 @@ class PartitionReport:
     outside_bytes: int | None = None
     # live activation bytes over forward and backward (None: not measured)
     peak: MemoryPeak | None = None
+    # labels of the ops whose FLOPs the cost model estimated from shapes, as the report's
+    # builder found them on the ops themselves (see cost_estimated)
+    estimated_labels: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def coverage(self) -> str:
@@ -138,7 +138,7 @@ class PartitionReport:
         if self.mode != "eager":
             labels.update(r.op for r in self.saved if not r.is_input)
             labels.update(r.op for r in self.evicted)
-        return sorted(label for label in labels if _label_cost_estimated(label))
+        return sorted(labels & self.estimated_labels)
 
     @property
     def saved_bytes(self) -> int:
@@ -221,38 +221,3 @@ class PartitionReport:
                                               for k, v in self.timings.items()))
         out.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(out)
-
-
-def _op_of_label(label: str) -> Any:
-    """The OpOverload an op label names (``aten.mm.default``, ``ns.op.overload[1]``), or
-    None (an input, a higher-order op, a name that no longer resolves)."""
-    parts = label.split("[", 1)[0].split(".")
-    if len(parts) < 3:
-        return None
-    try:
-        return getattr(getattr(getattr(torch.ops, parts[0]), ".".join(parts[1:-1])), parts[-1])
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _label_cost_estimated(label: str) -> bool:
-    if label.startswith("aten.") and label.split("[", 1)[0].split(".")[1] not in _ESTIMABLE_ATEN:
-        return False  # the common case, without importing the compiler
-    op = _op_of_label(label)
-    if op is None:
-        return False
-    from .op_costs import is_cost_estimated
-    return is_cost_estimated(op)
-
-
-def _estimable_aten() -> frozenset[str]:
-    """Names of the ATen matmuls flop_counter has no formula for: the only ATen ops whose
-    cost may be estimated (the others are decided here without importing the compiler)."""
-    from torch.utils.flop_counter import flop_registry
-
-    from .policies import MATMUL_OPS
-    return frozenset(op._schema.name.split("::", 1)[-1] for op in MATMUL_OPS
-                     if op.overloadpacket not in flop_registry)
-
-
-_ESTIMABLE_ATEN = _estimable_aten()

@@ -21,6 +21,7 @@ from ..budgets import budget_label
 from ..cut import costs
 from ..cut.reasons import Reason, ReasonKind
 from ..cut.roles import Role, node_role
+from ..op_costs import is_cost_estimated
 from ..policy import CheckpointPolicy
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from .facts import Floor, HostWhy, Storage
@@ -98,6 +99,7 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
         f"saved ({cap}unconstrained {fmt_bytes(res.unconstrained_bytes)}, least "
         f"reachable {fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
         + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
+    report.estimated_labels |= {costs.op_label(v) for v in res.evicted if _cost_estimated(v)}
     for v in res.evicted:
         dec = graph_meta.decision(v)
         what = dec.label if dec is not None else "min-cut save"
@@ -167,10 +169,20 @@ def _describe_graphs(report: PartitionReport, gm: fx.GraphModule, split: Split,
             is_input=node.op == "placeholder", region=graph_meta.region(node),
             is_parameter=reason.kind is ReasonKind.PARAMETER, must=must))
     recomputed = [joint[name] for name in split.recomputed]
+    report.estimated_labels |= {costs.op_label(n) for n in (*recomputed, *saved)
+                               if n.op != "placeholder" and _cost_estimated(n)}
     report.recomputed = [costs.op_label(n) for n in recomputed]
     report.recomputed_regions = [graph_meta.region(n) for n in recomputed]
     report.recompute_flops = sum(costs.flops(n) for n in recomputed)
     report.peak = estimate_peak(split.fw, split.bw, gm)
+
+
+def _cost_estimated(node: fx.Node) -> bool:
+    """Whether the cost model estimated the FLOPs of the op that made ``node`` from shapes
+    (a getitem: of the multi-output op it reads)."""
+    while node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return is_cost_estimated(node.target)
 
 
 def _saved_reason(node: fx.Node, is_static: bool, saved_names: set[str]) -> tuple[Reason, bool]:
