@@ -167,8 +167,7 @@ class SACPartitioner(CustomPartitionerFn):
         split = extract(gm, save_bases_of_views(gm, cut.saved), static, num_fwd_outputs,
                         clock.lap)
         plan = plan_storage(gm, split, cut.host, static, num_fwd_outputs, traces)
-        flags = apply_storage(split, plan, num_fwd_outputs, static, self.offload_options) \
-            if plan is not None else {}
+        flags = apply_storage(split, plan, num_fwd_outputs, static, self.offload_options)
         if plan is not None:
             clock.lap("storage")
         report = describe_partition(gm, split, static, solver=self.solver,

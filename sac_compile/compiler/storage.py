@@ -265,10 +265,13 @@ def plan_storage(gm: fx.GraphModule, split: Split, host: list[fx.Node], static: 
 # 3. Applying the plan to the graphs.
 # --------------------------------------------------------------------------------------
 
-def apply_storage(split: Split, plan: StoragePlan, num_fwd_outputs: int, static: set[fx.Node],
+def apply_storage(split: Split, plan: StoragePlan | None, num_fwd_outputs: int,
+                  static: set[fx.Node],
                   offload_options: dict[str, bool] | None = None) -> dict[str, bool]:
     """Trace the planned hooks into both graphs and offload the planned values (in place).
     Returns torch's offload flags the offload ran with (empty: nothing offloaded)."""
+    if plan is None:
+        return {}
     hooks = {v.node.name: v.traced for v in plan.values if v.storage is Storage.HOOKS}
     to_offload = [v.node.name for v in plan.values if v.storage is Storage.OFFLOAD]
     if hooks:
