@@ -340,3 +340,24 @@ def test_explain_leaves_grads_rng_and_buffers_as_they_were(mode):
     assert model[3].weight.grad is None and x.grad is None
     assert torch.equal(model[1].running_mean, stats)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_records_carry_their_facts(mode):
+    """What a record is (a parameter, kept by a MUST about itself) is a field, never read
+    back from its reason's wording."""
+    lin = torch.nn.Linear(16, 16, bias=False)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op is torch.ops.aten.mm.default else CP.PREFER_RECOMPUTE
+
+    block = sac_region(policy, name="Lin")(lambda x: lin(x).sin())
+    report = explain(lambda x: block(x).sum(), torch.randn(8, 16, requires_grad=True),
+                     mode=mode)
+    mm = [r for r in report.saved if r.op == "aten.mm.default"]
+    assert len(mm) == 1 and mm[0].must and not mm[0].is_parameter
+    assert not any(r.must for r in report.saved if r.op != "aten.mm.default")
+    params = [r for r in report.saved if r.is_parameter]
+    assert report.saved_bytes == sum(r.nbytes for r in report.saved if not r.is_parameter)
+    if mode == "compile":  # the weight, an input of the graph, is kept for x's gradient
+        assert [(r.nbytes, r.is_input) for r in params] == [(16 * 16 * 4, True)]
