@@ -18,8 +18,8 @@ import torch.fx as fx
 from .. import graph_meta
 from ..cut.budget import BudgetResult, solve_with_budget
 from ..cut.network import CostModel, FlowNetwork, build_flow_network, classify
-from ..cut.region_budgets import (region_budget_annotations, solve_with_region_budgets,
-                                  torch_global_budget)
+from ..cut.region_budgets import (RegionBudgetFacts, region_budget_annotations,
+                                  solve_with_region_budgets, torch_global_budget)
 from ..cut.solvers import solve
 from ..cut.stand_ins import keep_stand_ins_off_device
 from .boundaries import solve_lowering_peak
@@ -42,7 +42,7 @@ class Cut:
     memory_budget: float | int | None = None  # the partitioner's, as given
     torch_budget_ignored: float | None = None  # torch's global budget, not applied
     budget: BudgetResult | None = None         # under a budget (the split's or regions')
-    region_lines: list[str] = dataclasses.field(default_factory=list)  # per budget group
+    region_budgets: RegionBudgetFacts | None = None  # under the regions' budgets
     floor: Floor = Floor()
 
 
@@ -72,16 +72,16 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
                                                 lambda r: r[0])
         return Cut(saved, [v for v in net.offloaded(saved) if not _marked_offload(v)],
                    HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor)
-    lines: list[str] = []
+    facts = None
     if regions:
-        (res, lines), floor = solve_lowering_peak(
+        (res, facts), floor = solve_lowering_peak(
             gm, net, lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),
             lambda r: r[0].saved)
     else:
         res, floor = solve_lowering_peak(
             gm, net, lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
     return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
-               HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, lines, floor)
+               HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor)
 
 
 def _marked_offload(node: fx.Node) -> bool:

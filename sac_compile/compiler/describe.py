@@ -28,6 +28,7 @@ from .facts import Floor, HostWhy, Storage
 from .peak import estimate_peak
 
 if TYPE_CHECKING:
+    from ..cut.region_budgets import RegionBudgetFacts
     from .choose_cut import Cut
     from .extract import Split
     from .storage import StoragePlan, StoredValue
@@ -84,7 +85,8 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
         report.notes.append(
             f"torch._functorch.config.activation_memory_budget={cut.torch_budget_ignored:g} "
             f"not applied: memory_budget={cut.memory_budget!r} given to the partitioner")
-    report.notes.extend(cut.region_lines)
+    if cut.region_budgets is not None:
+        report.notes.extend(_region_budget_notes(cut.region_budgets))
     report.notes.extend(_floor_notes(cut.floor))
     res = cut.budget
     if res is None:
@@ -121,6 +123,15 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
 def _budget_label(cut: Cut) -> str:
     return budget_label(cut.memory_budget) if cut.memory_budget is not None \
         else "(per group above)"
+
+
+def _region_budget_notes(facts: RegionBudgetFacts) -> list[str]:
+    lines = [f"{g.label}, {g.values} values, cap {fmt_bytes(g.cap)} (least "
+             f"{fmt_bytes(g.least)}, unconstrained {fmt_bytes(g.most)}); keeps "
+             f"{fmt_bytes(g.kept)}" for g in facts.groups]
+    return lines + [f"{s.label}: shares " + ", ".join(f"{name} {fmt_bytes(b)}"
+                                                      for name, b in s.shares.items())
+                    for s in facts.shares]
 
 
 def _floor_notes(floor: Floor) -> list[str]:

@@ -30,7 +30,7 @@ from .network import FlowNetwork
 from .solvers import source_side
 
 __all__ = ["BudgetGroup", "region_budget_annotations", "torch_global_budget",
-           "solve_with_region_budgets"]
+           "solve_with_region_budgets", "GroupFigures", "GroupShares", "RegionBudgetFacts"]
 
 
 @dataclasses.dataclass
@@ -51,6 +51,32 @@ class BudgetGroup:
         if isinstance(self.fraction, float):
             return self.fraction * most
         return float(self.fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFigures:
+    """One budget group of a split, under the chosen cut (worded by the compiler's report)."""
+
+    label: str
+    values: int    # activations under the cap
+    cap: float
+    least: float   # the least the group can keep
+    most: float    # what the cut without a budget keeps of it
+    kept: float    # what the chosen cut keeps of it
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShares:
+    """A whole-model budget: each region's share of the bytes kept."""
+
+    label: str
+    shares: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionBudgetFacts:
+    groups: list[GroupFigures]   # groups with something to keep, in order
+    shares: list[GroupShares]
 
 
 def torch_global_budget() -> float | None:
@@ -143,12 +169,12 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
 
 def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                               budget: float | int | None, solver: str | None = None
-                              ) -> tuple[BudgetResult, list[str]]:
+                              ) -> tuple[BudgetResult, RegionBudgetFacts]:
     """torch's budgets, as torch defines them: for the activations of each group, a cap of
     ``least + b * (unconstrained - least)`` device bytes (0.0: as few as the group can keep,
     1.0: what the cut keeps without a budget); with ``budget``, our graph-wide cap too.
     Solved by the exact program (any size, within its time limit). Returns the result and
-    one line per group for the report."""
+    each group's figures, for the report."""
     from ..report import fmt_bytes
     from .exact import ExactProblem, objective, solve_exact
 
@@ -168,7 +194,7 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         return total + sum(net.recompute_bytes.get(i, 0.0) for i in recomputed
                            if i in members)
 
-    group_caps, lines, capped = [], [], set()
+    group_caps, figures, capped = [], [], set()
     fits = cap_all is None or base.nbytes <= cap_all
     w_min = 1e-9
     for group in groups:
@@ -191,18 +217,16 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         fits = fits and most <= cap
         group_caps.append((sorted(members), cap))
         capped |= members
-        if not most:  # nothing to keep (values of the annotated code the backward needs not)
-            lines.append("")
-            continue
-        lines.append(f"{group.label}, {len(members)} values, cap {fmt_bytes(cap)} (least "
-                     f"{fmt_bytes(least)}, unconstrained {fmt_bytes(most)})")
+        if most:  # (else nothing to keep: values of annotated code the backward needs not)
+            figures.append((GroupFigures(group.label, len(members), cap, least, most, 0.0),
+                            members))
     if fits:
         res = BudgetResult(base.kept, budget if budget is not None else 1.0,
                            cap_all if cap_all is not None else base.nbytes, base.nbytes,
                            base.nbytes, base.nbytes, 1.0, [], 1, time.perf_counter() - t0,
                            base.on_host, "unconstrained cut", base.cost, base.cost)
         kept_of = lambda m: group_bytes(base.kept, base.w, base.recomputed, m)  # noqa: E731
-        return res, _with_kept(lines, group_caps, kept_of) + _shares(groups, idx, kept_of)
+        return res, _facts(figures, groups, idx, kept_of)
     # Without our graph-wide cap, values under no cap keep their price (a byte each).
     priced = [] if cap_all is not None else [
         i for i in range(len(net.cls.nodes)) if i not in capped and _is_activation(net, i)]
@@ -214,7 +238,9 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
             "activation_memory_budget or activation_memory_budget, sac_region/apply_regions' "
             "memory_budget) " + ("and the graph-wide memory_budget " if cap_all else "") +
             f"cannot be met together within {EXACT_TIME_LIMIT:g} s of the exact solver: "
-            + "; ".join(line for line in lines if line) + ". To fix: raise a region's "
+            + "; ".join(f"{g.label}, {g.values} values, cap {fmt_bytes(g.cap)} (least "
+                        f"{fmt_bytes(g.least)}, unconstrained {fmt_bytes(g.most)})"
+                        for g, _ in figures) + ". To fix: raise a region's "
             "budget, or drop the graph-wide memory_budget, or put a graph break between the "
             "regions")
     nodes = net.cls.nodes
@@ -237,14 +263,13 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                        "exact program (MILP" + (", optimal)" if sol.optimal else
                                                 ", time limit)"),
                        sol.cost, sol.cost, lifted)
-    return res, _with_kept(lines, group_caps, sol_bytes) + _shares(groups, idx, sol_bytes)
+    return res, _facts(figures, groups, idx, sol_bytes)
 
 
 def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
-            kept_of: Callable[[set[int]], float]) -> list[str]:
+            kept_of: Callable[[set[int]], float]) -> list[GroupShares]:
     """A whole-model budget: each region's share of the bytes kept (also on the budget)."""
-    from ..report import fmt_bytes
-    lines = []
+    out = []
     for group in groups:
         if group.model is None:
             continue
@@ -256,9 +281,8 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
                         by_region.setdefault(name, set()).add(idx[v])
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}
         group.model.shares.update(shares)
-        lines.append(f"{group.label}: shares " + ", ".join(
-            f"{name} {fmt_bytes(b)}" for name, b in shares.items()))
-    return lines
+        out.append(GroupShares(group.label, shares))
+    return out
 
 
 def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[int],
@@ -274,9 +298,8 @@ def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[in
                                              int(most), rng)) from None
 
 
-def _with_kept(lines: list[str], group_caps: list[tuple[list[int], float]],
-               kept_of: Callable[[set[int]], float]) -> list[str]:
-    """Each group's line, with the bytes the chosen cut keeps of it."""
-    from ..report import fmt_bytes
-    return [f"{line}; keeps {fmt_bytes(kept_of(set(members)))}"
-            for line, (members, _) in zip(lines, group_caps) if line]
+def _facts(figures: list[tuple[GroupFigures, set[int]]], groups: list[BudgetGroup],
+           idx: dict[fx.Node, int], kept_of: Callable[[set[int]], float]) -> RegionBudgetFacts:
+    """Each group's figures with the bytes the chosen cut keeps of it, and the shares."""
+    return RegionBudgetFacts([dataclasses.replace(g, kept=kept_of(set(members)))
+                              for g, members in figures], _shares(groups, idx, kept_of))
