@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from ..torch_internals import CustomPartitionerFn, TorchAPIMissing
 
 from ..policy import CheckpointPolicy
 from ..logs import partition_log
@@ -58,7 +58,7 @@ def _code_hash() -> str:
     import importlib
     from pathlib import Path
 
-    from torch._inductor.custom_graph_pass import get_hash_for_files
+    from ..torch_internals import get_hash_for_files
 
     here = Path(__file__).parent
     files = sorted(str(p) for d in (here, here.parent / "cut") for p in d.glob("*.py"))
@@ -130,13 +130,13 @@ class SACPartitioner(CustomPartitionerFn):
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # FX graph building allocates many small objects; the cyclic GC's full collections
         # were a large, variable part of partition time on big graphs. Nothing here needs it.
-        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+        from ..torch_internals import use_lazy_graph_module
 
         enabled = gc.isenabled()
         gc.disable()
         try:
             # As under dynamo: modules generate their Python code when first called.
-            with _use_lazy_graph_module(True):
+            with use_lazy_graph_module(True):
                 return self._partition(gm, joint_inputs, **kwargs)
         finally:
             if enabled:
@@ -157,7 +157,7 @@ class SACPartitioner(CustomPartitionerFn):
 
         gm.graph.eliminate_dead_code()
         if self.cse:
-            from torch._functorch.compile_utils import fx_graph_cse
+            from ..torch_internals import fx_graph_cse
             gm.graph = fx_graph_cse(gm.graph)
         lap("dce")
         counts = normalize_tags(gm)
@@ -166,7 +166,7 @@ class SACPartitioner(CustomPartitionerFn):
         static = static_inputs(gm.graph, static_idx)
         tagged = any("sac_decision" in n.meta for n in gm.graph.nodes)
         if not tagged and self.delegate_untagged:
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
+            from ..torch_internals import min_cut_rematerialization_partition
             kwargs.setdefault("compiler", "inductor")
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
             lap("upstream")
@@ -266,9 +266,9 @@ class SACPartitioner(CustomPartitionerFn):
     # -- steps --------------------------------------------------------------------------
     def _extract(self, gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
                  num_fwd_outputs: int, lap: Callable[[str], None]):
-        from torch._functorch.partitioners import _extract_fwd_bwd_modules, functionalize_rng_ops
         from torch.fx.experimental.proxy_tensor import is_sym_node
-        from torch.utils._ordered_set import OrderedSet
+
+        from ..torch_internals import OrderedSet, extract_fwd_bwd_modules, functionalize_rng_ops
 
         # As upstream: SymInts, then opaque objects, then tensors. A BackwardState
         # (compiled autograd, a hook on a region's output) goes in with the tensors:
@@ -279,7 +279,7 @@ class SACPartitioner(CustomPartitionerFn):
         # torch 2.11's extraction has no saved_opaque_nodes (nor is_opaque_node, so
         # saved_opaque is empty there): pass it only when there is something to pass.
         opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
-        fw, bw = _extract_fwd_bwd_modules(
+        fw, bw = extract_fwd_bwd_modules(
             gm, saved_values, saved_sym_nodes=saved_sym, **opaque,
             num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=OrderedSet(static))
         # Under Inductor's fallback_random, FX's dead-code elimination keeps random-tagged ops
@@ -378,16 +378,16 @@ def _is_opaque_object(node: fx.Node) -> bool:
     """What upstream passes as ``saved_opaque_nodes`` (script and opaque objects);
     a BackwardState is not one of them."""
     try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:  # pragma: no cover - older torch
+        from ..torch_internals import is_opaque_node
+    except TorchAPIMissing:  # pragma: no cover - older torch
         return False
     return bool(is_opaque_node(node))
 
 
 def _is_assert_only_symbool(node: fx.Node) -> bool:
     try:
-        from torch._functorch.partitioners import _is_assert_only_symbool as upstream
-    except ImportError:  # pragma: no cover - older torch
+        from ..torch_internals import is_assert_only_symbool as upstream
+    except TorchAPIMissing:  # pragma: no cover - older torch
         return False
     return bool(upstream(node))
 
