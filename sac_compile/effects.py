@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from .policy import CheckpointPolicy, Decision
 from .torch_internals import HigherOrderOperator, OpOverload, OpOverloadPacket, TorchAPIMissing
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from .torch_internals import OpOverload, pytree
+from .torch_internals import OpOverload, pytree, symbolic_hint
 
 __all__ = ["op_flops", "is_cost_estimated"]
 
@@ -28,11 +28,8 @@ def hint(value: Any, *, fallback: int) -> int:
     would specialise the shape and add a guard, recompiling for every new size."""
     if isinstance(value, int):
         return value
-    shapes = torch.fx.experimental.symbolic_shapes
-    # torch 2.11 has no optimization_hint; its size_hint reads the hint the same way
-    get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
     try:
-        return int(get_hint(value, fallback=fallback))
+        return int(symbolic_hint(value, fallback=fallback))
     except Exception:
         return fallback
 

@@ -40,7 +40,8 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "peek_interpreter_stack", "TorchCompileInductorWrapper", "CachedTorchDispatchMode",
            "policy_from_bool", "VersionWrapper", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
-           "dynamo_recompile_limits", "offload_ops"]  # and the lazy names of _LAZY, which
+           "dynamo_recompile_limits", "offload_ops", "symbolic_hint",
+           "CHECKPOINT_CONTEXT_FN_META"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
 
@@ -74,6 +75,13 @@ ID_GUARDS_FUNCTIONS: bool = _VERSION >= (2, 13)
 #: (``compiler/regions_compiled.py``). If wrong: a trace error on 2.11, or on >= 2.12
 #: untraceable hooks raise the partitioner's error instead of running eagerly.
 CONSTANT_RESULT_TAKES_OBJECTS: bool = _VERSION >= (2, 12)
+
+
+#: Where Dynamo leaves a checkpoint's ``context_fn`` on the region's body graph module
+#: (``body.meta[...]``; torch's own ``tag_activation_checkpoint`` reads it there). We read it
+#: to name regions and key caches, and replace it with a keyed partial. If renamed: regions
+#: share one name and the caches miss (no wrong split: the context_fn is not ours to call).
+CHECKPOINT_CONTEXT_FN_META = "_checkpoint_context_fn"
 
 
 # -- bound at import (loaded by ``import torch``, present on 2.11 and 2.13) ---------------
@@ -248,6 +256,15 @@ def offload_ops() -> tuple[Any, Any, Any]:
                 torch.ops.ao.wait_tensor.default)
     except (AttributeError, RuntimeError) as e:
         raise TorchAPIMissing("torch.ops.ao.offload / reload / wait_tensor", "2.12", e) from e
+
+
+def symbolic_hint(value: Any, *, fallback: int) -> Any:
+    """The hint of a symbolic size (its example value) without guarding on it:
+    ``symbolic_shapes.optimization_hint``, or on torch 2.11 (which lacks it) ``size_hint``,
+    which reads the hint the same way (a feature probe, not a version)."""
+    shapes = torch.fx.experimental.symbolic_shapes
+    get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
+    return get_hint(value, fallback=fallback)
 
 
 def config_default(config: Any, flag: str) -> Any:

@@ -125,7 +125,7 @@ def quiet_context_fn_warning(is_ours: Callable[[Any], bool]) -> None:
             context_fn = caller.get("context_fn")
             if context_fn is None:  # torch 2.11 reads it from the graph after the warning
                 gmod = caller.get("gmod")
-                context_fn = getattr(gmod, "meta", {}).get("_checkpoint_context_fn")
+                context_fn = getattr(gmod, "meta", {}).get(torch_internals.CHECKPOINT_CONTEXT_FN_META)
             if is_ours(context_fn):
                 return None
         return original(logger_obj, *args, **kwargs)

@@ -185,6 +185,11 @@ def test_logging_internals_we_use_are_there():
         assert hasattr(tl, attr), attr
 
 
+def test_dynamo_still_keeps_the_context_fn_where_we_read_it():
+    wrap = torch_internals.checkpoint_hop_module
+    assert f'"{torch_internals.CHECKPOINT_CONTEXT_FN_META}"' in inspect.getsource(wrap)
+
+
 def test_config_default_reads_torch_defaults():
     cfg = torch_internals.functorch_config
     assert torch_internals.config_default(cfg, "activation_memory_budget") == 1.0

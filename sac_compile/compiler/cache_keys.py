@@ -34,6 +34,7 @@ import torch
 
 from ..policy_identity import hooks_key, policy_identity, policy_key
 from ..region_groups import group_of_token
+from ..torch_internals import CHECKPOINT_CONTEXT_FN_META
 
 __all__ = ["policy_key", "hooks_key", "region_cache_hash", "annotate_regions",
            "KeyedContextFn"]
@@ -61,7 +62,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        context_fn = module.meta.get("_checkpoint_context_fn")
+        context_fn = module.meta.get(CHECKPOINT_CONTEXT_FN_META)
         kind = context_fn_kind(context_fn)
         if kind is None or hasattr(context_fn, "cache_hash"):
             continue  # not ours (torch's caching rules apply), or done already
@@ -80,7 +81,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             why = policy_identity(policy, cached=False).why_not
             _say_bypassed(name, f"its policy {policy!r} reads {why}")
             continue
-        module.meta["_checkpoint_context_fn"] = KeyedContextFn.of(context_fn, digest)
+        module.meta[CHECKPOINT_CONTEXT_FN_META] = KeyedContextFn.of(context_fn, digest)
         annotated += 1
     return annotated
 

@@ -33,7 +33,8 @@ from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
 from ..markers import encode_opinion, name_op, tag_op
 from ..region_groups import group_of_token, name_in_graph
-from ..torch_internals import CONSTANT_RESULT_TAKES_OBJECTS, dynamo_graph_break
+from ..torch_internals import (CHECKPOINT_CONTEXT_FN_META, CONSTANT_RESULT_TAKES_OBJECTS,
+                               dynamo_graph_break)
 from ..torch_patches import close_checkpoints_left_open, quiet_context_fn_warning
 from .tagging import region_contexts, take_eager_entry
 
@@ -81,13 +82,13 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
             continue
         for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
             body = getattr(owner, getattr(node.args[0], "target", ""), None)
-            context_fn = getattr(body, "meta", {}).get("_checkpoint_context_fn")
+            context_fn = getattr(body, "meta", {}).get(CHECKPOINT_CONTEXT_FN_META)
             if context_fn_kind(context_fn) != "region" or len(context_fn.args) != 1:
                 continue
             group = group_of_token(context_fn.args[0])
             name = name_in_graph(group, node)
             if name != group.name:
-                body.meta["_checkpoint_context_fn"] = functools.partial(
+                body.meta[CHECKPOINT_CONTEXT_FN_META] = functools.partial(
                     region_contexts, context_fn.args[0], name)
                 renamed += 1
     return renamed
