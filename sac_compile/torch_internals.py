@@ -37,8 +37,7 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "HigherOrderOperator", "OpNamespace", "pytree", "TorchDispatchMode",
            "get_dispatch_mode", "TorchDispatchModeKey", "dispatch_tls_local_include_set",
            "dispatch_tls_local_exclude_set", "ForceDispatchKeyGuard", "current_autograd_node",
-           "peek_interpreter_stack", "TorchCompileInductorWrapper", "CachedTorchDispatchMode",
-           "policy_from_bool", "VersionWrapper", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
+           "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
            "dynamo_recompile_limits", "offload_ops", "symbolic_hint",
            "CHECKPOINT_CONTEXT_FN_META"]  # and the lazy names of _LAZY, which
@@ -107,19 +106,11 @@ ForceDispatchKeyGuard = torch._C._ForceDispatchKeyGuard
 current_autograd_node = torch._C._current_autograd_node
 peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
-#: What ``torch.compile(mode=, options=)`` turns into Inductor config patches, with torch's
-#: own checks of names and types (``make_backend`` passes the same). If it changes,
-#: ``make_backend(compiler="inductor", mode=...)`` fails at construction.
-TorchCompileInductorWrapper = torch._TorchCompileInductorWrapper
-
 # torch.utils.checkpoint internals, for the benchmark's instrumented torch SAC
-# (``_bench/measure.py``): its recompute-side mode, the bool -> policy rule, the wrapper of
-# cached values. _RECOMPUTE (the marker a 2.13 forward leaves per recomputed call) and
+# (``_bench/measure.py``; the mode, the bool -> policy rule and the cached-value wrapper are
+# lazy names below). _RECOMPUTE (the marker a 2.13 forward leaves per recomputed call) and
 # _sac_storage_key are 2.13's; None / the 2.11 rule before. If they change, the benchmark's
 # "torch SAC" rows miscount recomputes.
-CachedTorchDispatchMode = _checkpoint._CachedTorchDispatchMode
-policy_from_bool = _checkpoint._policy_from_bool
-VersionWrapper = _checkpoint._VersionWrapper
 SAC_RECOMPUTE_MARKER: Any = getattr(_checkpoint, "_RECOMPUTE", None)
 sac_storage_key: Any = getattr(_checkpoint, "_sac_storage_key", lambda func, args: func)
 
@@ -132,6 +123,14 @@ class _Entry(NamedTuple):
 
 
 _LAZY: dict[str, _Entry] = {
+    # What ``torch.compile(mode=, options=)`` turns into Inductor config patches, with
+    # torch's own checks of names and types (``make_backend`` passes the same). If it
+    # changes, ``make_backend(compiler="inductor", mode=...)`` fails at construction.
+    "TorchCompileInductorWrapper": _Entry("torch", "_TorchCompileInductorWrapper"),
+    # torch SAC's recompute-side mode, bool -> policy rule, cached-value wrapper (benchmark).
+    "CachedTorchDispatchMode": _Entry("torch.utils.checkpoint", "_CachedTorchDispatchMode"),
+    "policy_from_bool": _Entry("torch.utils.checkpoint", "_policy_from_bool"),
+    "VersionWrapper": _Entry("torch.utils.checkpoint", "_VersionWrapper"),
     # Dynamo (loaded by ``import sac_compile`` today only through ShortenTraceback).
     # ShortenTraceback: base of CompiledCheckpointError, which Dynamo lets through unwrapped
     # (else users get BackendCompilerFailed instead of our CheckpointError).

@@ -132,7 +132,7 @@ def test_frame_peeks_and_torch_rebindings_only_in_torch_patches():
 def test_the_walk_finds_what_it_looks_for():
     """The walk is not vacuous: the two quarantined modules are where the uses are."""
     scan = _scan()
-    assert len(scan["torch_internals.py"][0]) >= 20
+    assert len(scan["torch_internals.py"][0]) >= 10
     assert len(scan["torch_patches.py"][1]) >= 5
 
 
@@ -155,6 +155,11 @@ def test_a_missing_api_is_named_at_use_with_the_torch_it_needs(monkeypatch):
     assert info.value.where == "torch._functorch.compile_utils.fx_graph_cse"
     with pytest.raises(ImportError, match="no_such_name"):
         from sac_compile.torch_internals import no_such_name  # noqa: F401
+
+
+def test_one_torch_api_missing_error():
+    from sac_compile.compiler import offload
+    assert offload.TorchAPIMissing is torch_internals.TorchAPIMissing
 
 
 def test_importing_torch_internals_imports_nothing_heavy():
