@@ -27,14 +27,19 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint as _checkpoint
+from torch._functorch._aot_autograd.utils import is_with_effects
+from torch._library.fake_class_registry import FakeScriptObject
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch._ops import _OpNamespace as OpNamespace
+from torch.fx.experimental._backward_state import BackwardState
 from torch.utils import _pytree as pytree
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "CONSTANT_RESULT_TAKES_OBJECTS", "OpOverload", "OpOverloadPacket",
            "HigherOrderOperator", "OpNamespace", "pytree", "TorchDispatchMode",
+           "is_with_effects", "FakeScriptObject", "BackwardState", "OrderedSet",
            "get_dispatch_mode", "TorchDispatchModeKey", "dispatch_tls_local_include_set",
            "dispatch_tls_local_exclude_set", "ForceDispatchKeyGuard", "current_autograd_node",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
@@ -91,6 +96,10 @@ CHECKPOINT_CONTEXT_FN_META = "_checkpoint_context_fn"
 # and outputs (torch's own flattening, so nested outputs match what dispatch sees).
 # torch.utils._python_dispatch.TorchDispatchMode: the base of the eager recorder, the
 # compile-time tagging mode and the live-bytes meter (the same class torch's SAC uses).
+# Asked per node of a joint graph, so bound here rather than lazy: is_with_effects (a
+# with_effects node: never recomputed), BackwardState (compiled autograd's) and
+# FakeScriptObject (values that cost nothing to keep), OrderedSet (the node sets torch's
+# partitioner and offload pass take). A change: the cut's network or extraction fails.
 
 # torch._C dispatch state. get_dispatch_mode/TorchDispatchModeKey: is a proxy (make_fx),
 # fake or functional mode active (the tagging mode's "are we tracing?"). The TLS key sets
@@ -208,17 +217,11 @@ _LAZY: dict[str, _Entry] = {
     "aot_descriptors": _Entry("torch._functorch._aot_autograd.descriptors", None),
     "InputMutationAOTOutput": _Entry("torch._functorch._aot_autograd.descriptors",
                                      "InputMutationAOTOutput"),
-    # Effectful ops (with_effects nodes, registered effects): never recomputed.
-    "is_with_effects": _Entry("torch._functorch._aot_autograd.utils", "is_with_effects"),
+    # Effectful ops (registered effects; is_with_effects, above): never recomputed.
     "has_effects": _Entry("torch._higher_order_ops.effects", "has_effects"),
     # torch's region_activation_memory_budget annotation on nodes (2.13).
     "get_memory_budget_annotation": _Entry("torch.fx.traceback",
                                            "_get_memory_budget_annotation", "2.13"),
-    # Values that cost nothing to keep: compiled autograd's BackwardState, script objects.
-    "FakeScriptObject": _Entry("torch._library.fake_class_registry", "FakeScriptObject"),
-    "BackwardState": _Entry("torch.fx.experimental._backward_state", "BackwardState"),
-    # The ordered set torch's partitioner and offload pass take their node sets as.
-    "OrderedSet": _Entry("torch.utils._ordered_set", "OrderedSet"),
     # As under Dynamo: graph modules generate their code when first called (partition time).
     "use_lazy_graph_module": _Entry("torch.fx._lazy_graph_module", "_use_lazy_graph_module"),
     # The functionalised random op of the backward: names the op a replay re-runs.
@@ -239,12 +242,12 @@ def __getattr__(name: str) -> Any:
     entry = _LAZY.get(name)
     if entry is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    where = entry.module + (f".{entry.attr}" if entry.attr else "")
+    module_name, attr, needs = entry
     try:
-        module = sys.modules.get(entry.module) or importlib.import_module(entry.module)
-        return module if entry.attr is None else getattr(module, entry.attr)
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        raise TorchAPIMissing(where, entry.needs, e) from e
+        raise TorchAPIMissing(module_name + (f".{attr}" if attr else ""), needs, e) from e
 
 
 def offload_ops() -> tuple[Any, Any, Any]:
