@@ -49,9 +49,10 @@ P = CheckpointPolicy
 # Every module of the compiler and cut packages (the flow network, its costs, the budget
 # search: a change there changes the split), and the core modules it decides with.
 # (policies: a policy that reads our presets' data, MATMUL_OPS say, is keyed by the module's
-# name; effects: the ops the cut never recomputes; budgets: what a budget value means.)
+# name; effects: the ops the cut never recomputes; budgets: what a budget value means;
+# torch_internals: which of torch's functions the split calls, and the version gates.)
 _HASHED_CORE = ("policy", "policies", "op_names", "markers", "op_costs", "effects", "errors",
-                "budgets")
+                "budgets", "torch_internals")
 
 
 def _code_hash() -> str:
