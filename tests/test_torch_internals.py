@@ -3,7 +3,8 @@
 * Every private torch import and private attribute of a torch module is in
   ``sac_compile/torch_internals.py``; every frame peek and rebinding of a torch attribute in
   ``sac_compile/torch_patches.py`` (an ``ast`` walk over the package, function-local code
-  included).
+  included). Names are followed through aliases of torch modules; attributes of torch
+  *values* (``op._schema``, ``t._version``) are not: the walk cannot know a value's type.
 * Every private name ``torch_internals`` offers resolves on this torch, or says which torch
   it needs; importing it imports no module ``import torch`` had not.
 * Each peek and the ``warning_once`` rebinding still finds what it looks for in torch's
