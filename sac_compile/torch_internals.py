@@ -16,6 +16,9 @@ Each name below says what we use it for, the torch versions it was verified on (
   function that uses it, as before), so importing ``sac_compile`` loads no Inductor, no
   partitioner and no Dynamo it did not load before. A name this torch lacks raises
   :class:`TorchAPIMissing` naming the torch version that has it, at use, never at import.
+  Unless its comment says what its caller falls back to (the names a supported torch lacks:
+  ``needs`` above 2.11), that is what breaks if torch renames one: the feature using it
+  fails loudly, naming it, instead of misbehaving.
 
 This module imports nothing from ``sac_compile``: it is the bottom of the package.
 """
