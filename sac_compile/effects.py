@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from .policy import CheckpointPolicy, Decision
+from .torch_internals import HigherOrderOperator, OpOverload, OpOverloadPacket, TorchAPIMissing
 
 # Namespaces whose every op talks to other ranks: functional collectives (the autograd
 # variants too) and the process-group ops that torch.distributed dispatches
@@ -29,9 +28,9 @@ PROCESS_GROUP_NAMESPACES = frozenset({"c10d"})
 
 
 def _op_namespace(op: Any) -> str | None:
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return op.namespace
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         return op._qualified_op_name.split("::", 1)[0]
     return None
 
@@ -42,12 +41,12 @@ def effect_reason(op: Any) -> str | None:
     FX node's target) or a higher-order operator."""
     if _op_namespace(op) in COLLECTIVE_NAMESPACES:
         return "collective"
-    if isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+    if isinstance(op, (OpOverload, HigherOrderOperator)):
         try:
-            from torch._higher_order_ops.effects import has_effects
+            from .torch_internals import has_effects
             if has_effects(op):  # registered effects: aten._print, torchbind calls, ...
                 return "effectful op"
-        except (ImportError, RuntimeError, ValueError):  # pragma: no cover - older torch
+        except (TorchAPIMissing, RuntimeError, ValueError):  # pragma: no cover - older torch
             return None
     return None
 

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import torch.utils.checkpoint as _torch_checkpoint
-from torch._dynamo.exc import ShortenTraceback
+
+from .torch_internals import ShortenTraceback
 
 __all__ = ["CheckpointError", "CompiledCheckpointError", "reraise_compiled"]
 

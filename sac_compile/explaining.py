@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .policy import op_name
 from .report import MemoryPeak, PartitionReport, SavedTensorRecord
+from .torch_internals import TorchDispatchMode, pytree
 
 __all__ = ["explain"]
 
@@ -26,7 +26,7 @@ def _backward_of(out: Any, on_grads: Callable[[list[Any]], None] | None = None) 
     """Run the whole backward of ``out`` (every saved tensor is unpacked, as in training),
     leaving the ``.grad`` of every leaf it reaches as it was. ``on_grads(grads)`` sees the
     gradients the backward gave the leaves before they are put back."""
-    outputs = [t for t in torch.utils._pytree.tree_leaves(out)
+    outputs = [t for t in pytree.tree_leaves(out)
                if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outputs:
         return

@@ -78,7 +78,11 @@ AUTOGRAD_BACKWARD = "autograd_backward"
 DESC = "desc"
 NN_MODULE_STACK = "nn_module_stack"
 SHOULD_OFFLOAD = "should_offload"
-CHECKPOINT_CONTEXT_FN = "_checkpoint_context_fn"  # on a region's subgraph GraphModule
+# Where Dynamo leaves a checkpoint's ``context_fn`` on the region's body graph module
+# (torch's own ``tag_activation_checkpoint`` reads it there; verified on torch 2.11 and 2.13).
+# We read it to name regions and key caches. If renamed: regions share one name and the
+# caches miss (no wrong split: the context_fn is not ours to call).
+CHECKPOINT_CONTEXT_FN = "_checkpoint_context_fn"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from .torch_internals import TorchDispatchMode, pytree
 
 __all__ = ["LiveBytes"]
 
@@ -61,10 +61,10 @@ class LiveBytes(TorchDispatchMode):
     # -- recording ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
         self._latest = []
-        for t in tree_leaves(out):
+        for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and _has_storage(t):
                 st = t.untyped_storage()
                 if id(st) not in inputs and id(st) not in self._live and st.nbytes():

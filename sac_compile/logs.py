@@ -51,7 +51,7 @@ if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
 def _register() -> logging.Logger:
     """Register the ``sac_compile`` log and the ``sac_partition`` artifact with torch."""
     try:
-        from torch._logging import _internal as tl
+        from .torch_internals import torch_logging as tl
         if not tl.log_registry.is_log(LOGGER):
             tl.register_log(LOGGER, LOGGER)
         if not tl.log_registry.is_artifact(ARTIFACT):
@@ -84,8 +84,8 @@ def _ensure_handler() -> None:
         return
     _handler = logging.StreamHandler(sys.stderr)
     try:
-        from torch._logging._internal import DEFAULT_FORMATTER
-        _handler.setFormatter(DEFAULT_FORMATTER)
+        from .torch_internals import torch_logging
+        _handler.setFormatter(torch_logging.DEFAULT_FORMATTER)
     except Exception:
         _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     _handler.setLevel(logging.DEBUG)
@@ -100,7 +100,7 @@ def enable(level: int | None = logging.INFO, *, partition: bool = False) -> None
         log.setLevel(level)
     if partition:
         try:
-            from torch._logging import _internal as tl
+            from .torch_internals import torch_logging as tl
             tl.log_state.enable_artifact(ARTIFACT)
             tl.configure_artifact_log(partition_log)
         except Exception:
@@ -117,7 +117,7 @@ def disable() -> None:
         _handler = None
     log.setLevel(logging.NOTSET)
     try:
-        from torch._logging import _internal as tl
+        from .torch_internals import torch_logging as tl
         tl.log_state.artifact_names.discard(ARTIFACT)
     except Exception:
         pass

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .policy import CheckpointError, CheckpointPolicy, Opinion, SaveWithHooks
+from .torch_internals import ID_GUARDS_FUNCTIONS
 
 __all__ = ["encode_opinion", "decode_opinion", "tag_op", "name_op", "TAG_OP", "NAME_OP",
            "MARKER_OPS", "marker_producer", "HOOKS_PREFIX", "register_hooks",
@@ -59,15 +60,12 @@ def encode_opinion(opinion: Opinion) -> str:
         # identity (its own guard on a function checks only the code, the same for two
         # closures over different dtypes): other hooks recompile, as another policy does.
         _ = id(pack), id(unpack)
-        if _ID_GUARDS_NO_FUNCTION:
+        if not ID_GUARDS_FUNCTIONS:
             # torch < 2.13: id() guards an object by identity, not a function; guard the
             # SaveWithHooks (another one recompiles, even with the same functions).
             _ = id(opinion)
         return _hooks_text(pack, unpack)
     return opinion.name
-
-
-_ID_GUARDS_NO_FUNCTION = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
 
 
 @torch.compiler.assume_constant_result

@@ -45,6 +45,7 @@ from torch import nn
 from .policy import CheckpointError, PolicyLike, RegionFrame, normalize_policy
 from .region_groups import frame_in_group, name_module
 from .region_run import run_region
+from .torch_internals import OpOverload, OpOverloadPacket
 
 __all__ = ["RegionConfig", "wrap_module", "module_class"]
 
@@ -126,9 +127,9 @@ def _portable_policy(spec: Any) -> Any:
     if isinstance(spec, (list, tuple, set, frozenset)):
         out = []
         for op in spec:
-            if isinstance(op, torch._ops.OpOverload):
+            if isinstance(op, OpOverload):
                 op = _OpRef(op._schema.name, op._overloadname)
-            elif isinstance(op, torch._ops.OpOverloadPacket):
+            elif isinstance(op, OpOverloadPacket):
                 op = _OpRef(op._qualified_op_name, None)
             out.append(op)
         return type(spec)(out) if not isinstance(spec, list) else out

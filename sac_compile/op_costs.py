@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
+
+from .torch_internals import OpOverload, pytree, symbolic_hint
 
 __all__ = ["op_flops", "is_cost_estimated"]
 
@@ -27,11 +28,8 @@ def hint(value: Any, *, fallback: int) -> int:
     would specialise the shape and add a guard, recompiling for every new size."""
     if isinstance(value, int):
         return value
-    shapes = torch.fx.experimental.symbolic_shapes
-    # torch 2.11 has no optimization_hint; its size_hint reads the hint the same way
-    get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
     try:
-        return int(get_hint(value, fallback=fallback))
+        return int(symbolic_hint(value, fallback=fallback))
     except Exception:
         return fallback
 
@@ -67,7 +65,7 @@ def is_cost_estimated(target: Any) -> bool:
     custom op (any namespace but ATen's and torch's own) and an ATen matmul that
     ``torch.utils.flop_counter`` has no formula for (``aten._grouped_mm``, the quantized
     ones: see :data:`sac_compile.policies.MATMUL_OPS`)."""
-    if not isinstance(target, torch._ops.OpOverload) or _formula(target) is not None:
+    if not isinstance(target, OpOverload) or _formula(target) is not None:
         return False
     if target.namespace not in _KNOWN_NAMESPACES:
         return True

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .torch_internals import HigherOrderOperator, OpOverload, OpOverloadPacket
+
 __all__ = ["expand_ops", "op_qualname", "resolve_op", "op_names"]
 
 
@@ -14,9 +16,9 @@ def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
     """OpOverloads as given; an OpOverloadPacket stands for all of its overloads."""
     out: set[Any] = set()
     for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             out.update(getattr(op, name) for name in op.overloads())
-        elif isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        elif isinstance(op, (OpOverload, HigherOrderOperator)):
             out.add(op)
         else:
             raise TypeError(
@@ -28,7 +30,7 @@ def expand_ops(ops: Iterable[Any], *, what: str = "policy") -> frozenset[Any]:
 def op_qualname(op: Any) -> str:
     """An op's name that :func:`resolve_op` turns back into the op in any process:
     ``aten.mm.default``; a higher-order op is ``higher_order.<name>``."""
-    if isinstance(op, torch._ops.HigherOrderOperator):
+    if isinstance(op, HigherOrderOperator):
         return f"higher_order.{op.name()}"
     return str(op)
 

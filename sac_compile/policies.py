@@ -18,6 +18,7 @@ from .policy import (PRESETS, MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFE
                      PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, OpSetPolicy, PolicyFn,
                      PolicyLike, PolicyValue, coerce_opinion, expand_ops, normalize_policy,
                      op_names, region_of)
+from .torch_internals import OpOverload
 
 aten = torch.ops.aten
 
@@ -116,7 +117,7 @@ class SaveMatmuls(PolicyValue):
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         is_matmul = _IS_MATMUL.get(op)
         if is_matmul is None:
-            is_matmul = _IS_MATMUL[op] = isinstance(op, torch._ops.OpOverload) and \
+            is_matmul = _IS_MATMUL[op] = isinstance(op, OpOverload) and \
                 op.name() in CUSTOM_MATMUL_OPS
         return MUST_SAVE if is_matmul else None
 

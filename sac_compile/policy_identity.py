@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .policy import PolicyValue, SaveWithHooks, op_qualname
+from .torch_internals import HigherOrderOperator, OpNamespace, OpOverload, OpOverloadPacket
 
 __all__ = ["Identity", "policy_identity", "policy_key", "hooks_key"]
 
@@ -108,12 +109,12 @@ class _Keyer:
             return f"cache_hash:{own}"
         if isinstance(value, enum.Enum):
             return f"{_qualname(type(value))}.{value.name}"
-        if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
-                              torch._ops.HigherOrderOperator)):
+        if isinstance(value, (OpOverload, OpOverloadPacket,
+                              HigherOrderOperator)):
             return op_qualname(value)
         if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return str(value)
-        if isinstance(value, torch._ops._OpNamespace):
+        if isinstance(value, OpNamespace):
             return f"torch.ops.{value.name}"
         if isinstance(value, types.ModuleType):
             return self._module(value)

@@ -46,6 +46,7 @@ from . import graph_meta
 from .budgets import budget_key
 from .policy import RegionFrame
 from .policy_identity import policy_identity
+from .torch_internals import dynamo_recompile_limits
 
 __all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "split_by_name",
            "members_of"]
@@ -249,15 +250,12 @@ _RAISED = [False]
 def _allow_recompiles() -> None:
     """Dynamo compiles a block's code once per group its instances are in; keep its
     recompile limit above the number of groups (the caller holds ``_LOCK``)."""
-    config = torch._dynamo.config
-    attr = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    config, attr, total = dynamo_recompile_limits()
     limit = getattr(config, attr)
     live = sum(1 for group in list(_GROUPS.values()) if group.slots)
     needed = live + 1
     if needed > limit:
         setattr(config, attr, needed)
-        total = "accumulated_recompile_limit" if hasattr(config, "accumulated_recompile_limit") \
-            else "accumulated_cache_size_limit"
         if hasattr(config, total) and getattr(config, total) < needed:
             setattr(config, total, needed)
         if not _RAISED[0]:

@@ -136,12 +136,13 @@ def _keep_dynamo_out() -> None:
     enters and leaves outside Dynamo, so the block is a clean graph break whose ops go
     through the eager runtime (correct, not compiled); the runtime's own frames are never
     traced (:func:`sac_compile.runtime.keep_dynamo_out`)."""
+    from .torch_internals import dynamo_disable
     global _dynamo_kept_out
     _dynamo_kept_out = True
     for name in ("__enter__", "__exit__"):
         method = sac_region.__dict__[name]
         if not getattr(method, "_sac_compile_outside_dynamo", False):
-            wrapped = torch._dynamo.disable(
+            wrapped = dynamo_disable(
                 method, reason="`with sac_region(...)` runs through the eager runtime; "
                                "decorate the function or module to compile the region")
             wrapped._sac_compile_outside_dynamo = True  # type: ignore[attr-defined]

@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                      "sac_compile.effects", "sac_compile.op_costs", "sac_compile.op_names",
                      "sac_compile.graph_meta",
                      "sac_compile.errors",
-                     "sac_compile.logs")),
+                     "sac_compile.logs", "sac_compile.torch_patches",
+                     "sac_compile.torch_internals")),
 ]
 
 #: Module files allowed over ~450 lines. May only shrink.

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..torch_internals import (SAC_RECOMPUTE_MARKER, CachedTorchDispatchMode,
+                               TorchDispatchMode, VersionWrapper, policy_from_bool, pytree,
+                               sac_storage_key)
 
 aten = torch.ops.aten
 
@@ -133,13 +135,13 @@ class SavedBytes:
 # Upstream selective activation checkpointing, instrumented
 # --------------------------------------------------------------------------------------
 
-_RECOMPUTE = getattr(tuc, "_RECOMPUTE", None)
+_RECOMPUTE = SAC_RECOMPUTE_MARKER
 _MISSING = object()
 _IGNORED = getattr(tuc, "SAC_IGNORED_OPS", frozenset({aten.detach.default}))
-_storage_key_fn = getattr(tuc, "_sac_storage_key", lambda func, args: func)
+_storage_key_fn = sac_storage_key
 
 
-class _CountingCachedMode(tuc._CachedTorchDispatchMode):
+class _CountingCachedMode(CachedTorchDispatchMode):
     """torch's recompute-side SAC mode, counting the ops it runs (cache misses) by op."""
 
     def __init__(self, storage: Any, owner: "TorchSAC", allow_cache_entry_mutation: bool,
@@ -161,7 +163,7 @@ class _CountingCachedMode(tuc._CachedTorchDispatchMode):
         policy = self.policy_fn(tuc.SelectiveCheckpointContext(is_recompute=True), func,
                                 *args, **(kwargs or {}))
         if isinstance(policy, bool):
-            policy = tuc._policy_from_bool(policy)
+            policy = policy_from_bool(policy)
         return policy not in (tuc.CheckpointPolicy.MUST_SAVE, tuc.CheckpointPolicy.PREFER_SAVE)
 
 
@@ -208,9 +210,9 @@ class TorchSAC:
         for storage in self.storages:
             for per_op in storage.values():  # op -> {call: entry} (a list before 2.13)
                 for entry in (per_op.values() if isinstance(per_op, dict) else per_op):
-                    leaves, _ = tree_flatten(entry)
+                    leaves, _ = pytree.tree_flatten(entry)
                     for leaf in leaves:
-                        if isinstance(leaf, tuc._VersionWrapper) and \
+                        if isinstance(leaf, VersionWrapper) and \
                                 isinstance(leaf.val, torch.Tensor):
                             yield leaf.val
 

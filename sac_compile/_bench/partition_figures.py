@@ -52,7 +52,7 @@ class PartitionFigures:
 def _upstream_recorder(figures: PartitionFigures) -> Any:
     """A ``CustomPartitionerFn`` that calls torch's ``min_cut_rematerialization_partition``
     with exactly the arguments Inductor would pass it, and records what the split saves."""
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    from ..torch_internals import CustomPartitionerFn
 
     global _UpstreamRecorder
     if _UpstreamRecorder is None:
@@ -79,7 +79,7 @@ _UpstreamRecorder: Any = None
 
 def _record_upstream(figures: PartitionFigures, gm: torch.fx.GraphModule, joint_inputs: Any,
                      **kwargs: Any) -> Any:
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from ..torch_internals import min_cut_rematerialization_partition
 
     from ..cut import costs
     from ..compiler.final_graphs import recomputed_names
@@ -126,6 +126,6 @@ def upstream_backend(figures: PartitionFigures) -> Callable[..., Any]:
     recorder = _upstream_recorder(figures)
 
     def inductor_with_torch_partitioner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx
+        from ..torch_internals import compile_fx
         return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": recorder})
     return inductor_with_torch_partitioner

@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from ..policies import relaxed
 from ..policy import CheckpointError
+from ..torch_internals import dynamo_reset
 from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_medians,
                       measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
                       wrapped_blocks)
@@ -301,7 +302,7 @@ class _Runner:
             with _cuda_peak(self.cfg.device) as peak:
                 step()
         except CheckpointError as e:   # e.g. a memory budget below what must be saved
-            torch._dynamo.reset()
+            dynamo_reset()
             row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
             self.progress.say(f"{row.label}: failed: {row.note}")
             return
@@ -382,8 +383,8 @@ class _Runner:
 def run_report(cfg: ReportConfig, progress: Progress) -> list[Row]:
     """Measure every strategy; compiled ones under ``fallback_random`` (eager RNG) and with
     the AOTAutograd cache off (so partitions are observed; Inductor's code cache stays on)."""
-    import torch._functorch.config as _functorch_config
-    import torch._inductor.config as _inductor_config
+    from ..torch_internals import functorch_config as _functorch_config
+    from ..torch_internals import inductor_config as _inductor_config
     runner = _Runner(cfg, progress)
     with _inductor_config.patch(fallback_random=True), \
             _functorch_config.patch(enable_autograd_cache=False):

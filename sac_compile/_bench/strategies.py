@@ -19,6 +19,7 @@ import torch.utils.checkpoint as tuc
 
 from .. import runtime
 from ..regions import sac_region
+from ..torch_internals import pytree
 from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_storages,
                       wrapped_blocks)
 from .models import clear_grads, grads_of, loss_fn
@@ -99,7 +100,7 @@ def loss_of(out: Any) -> torch.Tensor:
     """The fixtures' loss (``out.sum()``), extended to outputs that are tuples/dicts."""
     if isinstance(out, torch.Tensor) and out.requires_grad:
         return out.sum()
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+    leaves = [t for t in pytree.tree_leaves(out)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise UnusableModel(

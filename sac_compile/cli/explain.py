@@ -79,7 +79,7 @@ def run_explain(args: Any) -> int:
         return tuple(t.detach().clone().requires_grad_(t.requires_grad)
                      if isinstance(t, torch.Tensor) else t for t in target.inputs)
 
-    import torch._functorch.config as _functorch_config
+    from ..torch_internals import functorch_config as _functorch_config
     torch.manual_seed(args.seed)
     eager_report = explain(eager_fn, *inputs(), mode="eager")
     print(eager_report)

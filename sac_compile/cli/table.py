@@ -12,6 +12,7 @@ import torch
 from .._bench.measure import fmt_bytes
 from .._bench.runner import GRAD_RTOL, ReportConfig, Row
 from .._bench.strategies import as_blocked_model
+from ..torch_internals import TORCH_VERSION
 
 __all__ = ["format_table", "machine_label", "meta", "write_json"]
 
@@ -76,7 +77,7 @@ def meta(cfg: ReportConfig, elapsed: float) -> dict[str, Any]:
         "parameters": n_params,
         "inputs": [list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in t.inputs],
         "blocks": len(as_blocked_model(t.fn).blocks),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": TORCH_VERSION, "python": platform.python_version(),
         "machine": machine_label(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "elapsed_s": round(elapsed, 1),

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo.backends.common import AotAutograd
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
 from ..report import PartitionReport
+from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInductorWrapper,
+                               get_hash_for_files)
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
 from .normalize import remove_markers
@@ -55,7 +54,7 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
 
         def sac_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                          mode: str | None = None, options: dict[str, Any] | None = None) -> Any:
-            from torch._inductor.compile_fx import compile_fx
+            from ..torch_internals import compile_fx
             patches = inductor_patches(partitioner, default_mode if mode is None else mode,
                                        {**default_options, **(options or {})} or None)
             _let_caches_serve(gm, partitioner)
@@ -72,7 +71,7 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
         # torch's aot_eager compiler: boxed code that clears its argument list and frees
         # each value after its last use. (make_boxed_func(gm.forward) kept every saved
         # activation alive until the backward returned: +22% peak without checkpointing.)
-        from torch._dynamo.backends.debugging import boxed_nop
+        from ..torch_internals import boxed_nop
 
         def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             remove_markers(gm.graph)  # an inference graph: never partitioned
@@ -138,8 +137,8 @@ def inductor_patches(partitioner: SACPartitioner, mode: str | None,
     by torch's own ``_TorchCompileInductorWrapper``, which checks names and types - plus our
     partitioner and marker-removal pass (chained before a ``post_grad_custom_pre_pass``
     the options or the config set)."""
-    from torch._inductor import config
-    patches = dict(torch._TorchCompileInductorWrapper(mode, options, dynamic=None).config)
+    from ..torch_internals import inductor_config as config
+    patches = dict(TorchCompileInductorWrapper(mode, options, dynamic=None).config)
     if "custom_partitioner_fn" in patches:
         raise ValueError("options={'custom_partitioner_fn': ...} replaces sac_compile's "
                          "partitioner; use backend='inductor' for that, or pass the "

@@ -21,6 +21,7 @@ import torch.fx as fx
 from .. import graph_meta
 from ..cut import costs
 from ..policy import CheckpointPolicy
+from ..torch_internals import TorchAPIMissing
 from .final_graphs import recomputed_names, replayed_values, rng_replays, rng_state_inputs
 from .order import raise_getitems_in_place, reorder_like_autograd
 
@@ -41,9 +42,8 @@ class Split:
 def extract(gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
             num_fwd_outputs: int, lap: Callable[[str], None]) -> Split:
     """The forward and backward that keep ``saved`` (``lap`` times each edit)."""
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules, functionalize_rng_ops
+    from ..torch_internals import OrderedSet, extract_fwd_bwd_modules, functionalize_rng_ops
     from torch.fx.experimental.proxy_tensor import is_sym_node
-    from torch.utils._ordered_set import OrderedSet
 
     # As upstream: SymInts, then opaque objects, then tensors. A BackwardState
     # (compiled autograd, a hook on a region's output) goes in with the tensors:
@@ -54,7 +54,7 @@ def extract(gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
     # torch 2.11's extraction has no saved_opaque_nodes (nor is_opaque_node, so
     # saved_opaque is empty there): pass it only when there is something to pass.
     opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
-    fw, bw = _extract_fwd_bwd_modules(
+    fw, bw = extract_fwd_bwd_modules(
         gm, saved_values, saved_sym_nodes=saved_sym, **opaque,
         num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=OrderedSet(static))
     # Under Inductor's fallback_random, FX's dead-code elimination keeps random-tagged ops
@@ -91,7 +91,7 @@ def extract(gm: fx.GraphModule, saved: list[fx.Node], static: set[fx.Node],
 def split_upstream(gm: fx.GraphModule, joint_inputs: Sequence[object],
                    kwargs: dict[str, Any]) -> Split:
     """torch's ``min_cut_rematerialization_partition`` of ``gm``, unchanged."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from ..torch_internals import min_cut_rematerialization_partition
     kwargs.setdefault("compiler", "inductor")
     fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
     return Split(fw, bw, [n.name for n in bw.graph.find_nodes(op="placeholder")],
@@ -102,15 +102,15 @@ def _is_opaque_object(node: fx.Node) -> bool:
     """What upstream passes as ``saved_opaque_nodes`` (script and opaque objects);
     a BackwardState is not one of them."""
     try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:  # pragma: no cover - older torch
+        from ..torch_internals import is_opaque_node
+    except TorchAPIMissing:  # pragma: no cover - older torch
         return False
     return bool(is_opaque_node(node))
 
 
 def _is_assert_only_symbool(node: fx.Node) -> bool:
     try:
-        from torch._functorch.partitioners import _is_assert_only_symbool as upstream
-    except ImportError:  # pragma: no cover - older torch
+        from ..torch_internals import is_assert_only_symbool as upstream
+    except TorchAPIMissing:  # pragma: no cover - older torch
         return False
     return bool(upstream(node))

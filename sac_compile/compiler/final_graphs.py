@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from .. import graph_meta
@@ -17,7 +16,8 @@ __all__ = ["recomputed_names", "rng_replays", "replayed_values", "rng_state_inpu
 
 
 def _run_with_rng_state() -> object:
-    return torch._prims.rng_prims.run_with_rng_state
+    from ..torch_internals import run_with_rng_state
+    return run_with_rng_state
 
 
 def rng_replays(bw: fx.GraphModule, random_names: list[str]) -> dict[tuple, str]:

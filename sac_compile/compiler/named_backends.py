@@ -57,7 +57,7 @@ def register() -> None:
     or found as entry points (Dynamo then loads and registers them itself, and a second
     registration would be its "duplicate name" error; this module is imported by that very
     load). Idempotent."""
-    from torch._dynamo.backends import registry
+    from ..torch_internals import dynamo_backend_registered, register_dynamo_backend
     for name, fn in BACKEND_NAMES.items():
-        if name not in registry._COMPILER_FNS and registry._BACKENDS.get(name) is None:
-            registry.register_backend(compiler_fn=fn, name=name)
+        if not dynamo_backend_registered(name):
+            register_dynamo_backend(name, fn)

@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload
 
 from .. import graph_meta
 from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote, decide, \
     resolve_decision
 from ..cut.costs import is_view
+from ..torch_internals import OpOverload
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import Role, node_role
 from .tagging import reraise_compiled, write_decision

@@ -1,11 +1,11 @@
 """CPU offload under compile through torch's activation-offloading pass, and the torch APIs
 that the saved-value storage passes (:mod:`.storage`, :mod:`.save_hooks`) rely on.
 
-Every torch API these passes use is imported here, and only here (:func:`torch_api` for
-offload, :func:`hooks_api` for save hooks), so that a torch without one of them fails with
-one message naming it and the torch version needed (``TorchAPIMissing``) instead of an
-``ImportError`` deep in a compile. Offload needs torch >= 2.12 (``torch.ops.ao``); save
-hooks run on every supported torch (>= 2.11).
+Every torch API these passes use is gathered here from :mod:`sac_compile.torch_internals`
+(:func:`torch_api` for offload, :func:`hooks_api` for save hooks), so that a torch without
+one of them fails with one message naming it and the torch version needed
+(``TorchAPIMissing``) instead of an ``ImportError`` deep in a compile. Offload needs torch
+>= 2.12 (``torch.ops.ao``); save hooks run on every supported torch (>= 2.11).
 
 Offload: the saved values whose decision offloads are marked ``should_offload`` in the
 extracted forward module, then torch's ``enable_activation_offloading`` (from
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import torch_internals
+from ..torch_internals import TORCH_VERSION, TorchAPIMissing, config_default
 from .. import graph_meta
 
 __all__ = ["TorchAPIMissing", "torch_api", "hooks_api", "DEFAULTS", "offload_options",
@@ -47,10 +49,6 @@ DEFAULTS: dict[str, bool] = {
 # save-hook APIs are in 2.11, the oldest torch the package supports.
 _OFFLOAD_NEEDS = "2.12"
 _HOOKS_NEEDS = "2.11"
-
-
-class TorchAPIMissing(RuntimeError):
-    """This torch lacks an API the offload or save-hook passes need."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +74,11 @@ _API: list[TorchAPI] = []
 _HOOKS_API: list[HooksAPI] = []
 
 
-def _missing(where: str, feature: str, needs: str, e: Exception) -> TorchAPIMissing:
-    return TorchAPIMissing(
-        f"sac_compile: torch {torch.__version__} lacks {where}, which {feature} uses (it "
+def _missing(where: str, feature: str, needs: str, e: BaseException) -> TorchAPIMissing:
+    return TorchAPIMissing(where, needs, e, message=(
+        f"sac_compile: torch {TORCH_VERSION} lacks {where}, which {feature} uses (it "
         f"needs torch >= {needs}); upgrade torch, or keep these values on the device with "
-        f"MUST_SAVE/PREFER_SAVE ({type(e).__name__}: {e})")
+        f"MUST_SAVE/PREFER_SAVE ({type(e).__name__}: {e})"))
 
 
 def hooks_api() -> HooksAPI:
@@ -88,17 +86,13 @@ def hooks_api() -> HooksAPI:
     first one missing. (Not :func:`torch_api`: hooks need none of the offload pass.)"""
     if _HOOKS_API:
         return _HOOKS_API[0]
-    where = ""
     try:
-        where = "torch._inductor.pattern_matcher.fwd_only"
-        from torch._inductor.pattern_matcher import fwd_only
-        where = "torch._inductor.decomposition.select_decomp_table"
-        from torch._inductor.decomposition import select_decomp_table
-        where = "torch._subclasses.fake_tensor.extract_tensor_metadata"
-        from torch._subclasses.fake_tensor import extract_tensor_metadata
-    except (ImportError, AttributeError) as e:
-        raise _missing(where, "SaveWithHooks under torch.compile", _HOOKS_NEEDS, e) from None
-    _HOOKS_API.append(HooksAPI(fwd_only, select_decomp_table, extract_tensor_metadata))
+        api = HooksAPI(*(getattr(torch_internals, name) for name in
+                         ("fwd_only", "select_decomp_table", "extract_tensor_metadata")))
+    except TorchAPIMissing as e:
+        raise _missing(e.where, "SaveWithHooks under torch.compile", _HOOKS_NEEDS,
+                       e.error) from None
+    _HOOKS_API.append(api)
     return _HOOKS_API[0]
 
 
@@ -108,20 +102,20 @@ def torch_api() -> TorchAPI:
     if _API:
         return _API[0]
     hooks = hooks_api()
-    where = ""
     try:
-        where = "torch._functorch._activation_offloading.activation_offloading"
-        from torch._functorch._activation_offloading.activation_offloading import (
-            can_offload, enable_activation_offloading)
-        where = "torch.ops.ao.offload / reload / wait_tensor"
-        ops = (torch.ops.ao.offload.default, torch.ops.ao.reload.default,
-               torch.ops.ao.wait_tensor.default)
-        where = "torch._functorch.config.activation_offload_* flags"
-        import torch._functorch.config as functorch_config
+        enable_activation_offloading = torch_internals.enable_activation_offloading
+        can_offload = torch_internals.can_offload
+        ops = torch_internals.offload_ops()
+        functorch_config = torch_internals.functorch_config
+    except TorchAPIMissing as e:
+        raise _missing(e.where, "CPU offload under torch.compile", _OFFLOAD_NEEDS,
+                       e.error) from None
+    try:
         for flag in DEFAULTS:
             getattr(functorch_config, flag)
-    except (ImportError, AttributeError) as e:
-        raise _missing(where, "CPU offload under torch.compile", _OFFLOAD_NEEDS, e) from None
+    except AttributeError as e:
+        raise _missing("torch._functorch.config.activation_offload_* flags",
+                       "CPU offload under torch.compile", _OFFLOAD_NEEDS, e) from None
     _API.append(TorchAPI(hooks.fwd_only, hooks.select_decomp_table,
                          hooks.extract_tensor_metadata, enable_activation_offloading,
                          can_offload, *ops, functorch_config))
@@ -141,20 +135,12 @@ def offload_options(device: torch.device | None = None,
     if unknown:
         raise ValueError(f"offload_options: unknown flags {unknown}; expected some of "
                          f"{sorted(DEFAULTS)}")
-    options = {flag: overrides.get(flag, value if value != _torch_default(cfg, flag)
+    options = {flag: overrides.get(flag, value if value != config_default(cfg, flag)
                                    else default)
                for flag, default in DEFAULTS.items() for value in [getattr(cfg, flag)]}
     if options["activation_reload_prefetch"] and not _runnable(device):
         options["activation_reload_prefetch"] = False
     return options
-
-
-def _torch_default(cfg: Any, flag: str) -> Any:
-    """torch's own default for ``flag``. (Not ``cfg._is_default``: a ``cfg.patch`` marks the
-    flag overridden even after it restores the value, so every compile after the first
-    would read "the user chose torch's default" and run the synchronous path.)"""
-    entry = getattr(cfg, "_config", {}).get(flag)
-    return getattr(entry, "default", None)
 
 
 def _runnable(device: torch.device | None) -> bool:
@@ -172,7 +158,7 @@ def refusal(fw_node: fx.Node, fwd_outputs: Iterable[fx.Node], num_fwd_outputs: i
     ``can_offload``; the reason is ours (torch only logs it)."""
     api = torch_api()
     outs = list(fwd_outputs)
-    from torch.utils._ordered_set import OrderedSet
+    from ..torch_internals import OrderedSet
     if api.can_offload(fw_node, OrderedSet(outs), OrderedSet(outs[:num_fwd_outputs]),
                        OrderedSet(static)):
         return None
@@ -202,7 +188,7 @@ def apply_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: list[str],
     for node in fw.graph.nodes:
         if node.name in wanted:
             graph_meta.set_should_offload(node)
-    from torch.utils._ordered_set import OrderedSet
+    from ..torch_internals import OrderedSet
     static = OrderedSet(n for n in fw.graph.find_nodes(op="placeholder")
                         if n.name in static_names)
     device = next((graph_meta.val(n).device for n in fw.graph.nodes if n.name in wanted

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from ..torch_internals import CustomPartitionerFn
 
 from .. import graph_meta
 from ..logs import partition_log
@@ -51,14 +51,14 @@ __all__ = ["SACPartitioner"]
 # (policies: a policy that reads our presets' data, MATMUL_OPS say, is keyed by the module's
 # name; effects: the ops the cut never recomputes; budgets: what a budget value means.)
 _HASHED_CORE = ("policy", "policies", "op_names", "markers", "op_costs", "effects", "errors",
-                "budgets", "graph_meta")
+                "budgets", "graph_meta", "torch_internals")
 
 
 def _code_hash() -> str:
     import importlib
     from pathlib import Path
 
-    from torch._inductor.custom_graph_pass import get_hash_for_files
+    from ..torch_internals import get_hash_for_files
 
     here = Path(__file__).parent
     files = sorted(str(p) for d in (here, here.parent / "cut") for p in d.glob("*.py"))
@@ -130,13 +130,13 @@ class SACPartitioner(CustomPartitionerFn):
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # FX graph building allocates many small objects; the cyclic GC's full collections
         # were a large, variable part of partition time on big graphs. Nothing here needs it.
-        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+        from ..torch_internals import use_lazy_graph_module
 
         enabled = gc.isenabled()
         gc.disable()
         try:
             # As under dynamo: modules generate their Python code when first called.
-            with _use_lazy_graph_module(True):
+            with use_lazy_graph_module(True):
                 return self._partition(gm, joint_inputs, **kwargs)
         finally:
             if enabled:
@@ -208,7 +208,7 @@ class _Laps:
 def _prune(gm: fx.GraphModule, cse: bool) -> None:
     gm.graph.eliminate_dead_code()
     if cse:
-        from torch._functorch.compile_utils import fx_graph_cse
+        from ..torch_internals import fx_graph_cse
         gm.graph = fx_graph_cse(gm.graph)
 
 

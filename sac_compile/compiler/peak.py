@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .. import graph_meta
 from ..report import MemoryPeak
 from ..cut import costs
 from ..cut.roles import Role, node_role
+from ..torch_internals import OpOverload, pytree
 
 __all__ = ["estimate_peak", "cut_peak", "storage_base"]
 
@@ -52,7 +52,7 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     if costs.is_view(node):
         return first
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     returns = target._schema.returns
     alias = returns[0].alias_info if returns else None

@@ -23,9 +23,7 @@ context_fn=...)`` still gets it, once, as before.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +34,9 @@ from ..logs import warn_once_per_region
 from ..policy import Opinion, RegionFrame
 from ..markers import encode_opinion, name_op, tag_op
 from ..region_groups import group_of_token, name_in_graph
+from ..torch_internals import (CONSTANT_RESULT_TAKES_OBJECTS,
+                               dynamo_graph_break)
+from ..torch_patches import close_checkpoints_left_open, quiet_context_fn_warning
 from .tagging import region_contexts, take_eager_entry
 
 __all__ = ["run_region", "checkpoint", "torch_checkpoint", "tag", "name", "note_eager_fallback",
@@ -97,40 +98,6 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
 _CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
 
 
-def close_checkpoints_left_open(exc: BaseException) -> None:
-    """Exit the ``context_fn`` contexts torch < 2.13 leaves entered when a checkpointed
-    forward raises. Its ``torch.utils.checkpoint`` neither throws the error into its
-    generator nor closes it (2.13 does), so a region's forward context - our tagging mode,
-    or the eager runtime's recorder and saved-tensor hooks - stays entered until the
-    traceback is freed, and its exit then pops whatever is on top of the stacks by that
-    time. Called where the error passes through our code (our backends, a region run as
-    Python); closes each such generator in ``exc``'s tracebacks, innermost first."""
-    gens: list[Any] = []
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        stack += [e.__cause__, e.__context__]
-        tb = e.__traceback__
-        while tb is not None:
-            f = tb.tb_frame
-            if f.f_code.co_name == "checkpoint" and \
-                    f.f_globals.get("__name__") == "torch.utils.checkpoint":
-                gen = f.f_locals.get("gen")
-                if inspect.isgenerator(gen) and gen.gi_frame is not None and \
-                        not gen.gi_running and all(g is not gen for g in gens):
-                    gens.append(gen)
-            tb = tb.tb_next
-    for gen in reversed(gens):
-        try:
-            gen.close()
-        except Exception:  # pragma: no cover - an exit that fails: the first error stands
-            log.debug("sac_compile: closing a checkpoint left open failed", exc_info=True)
-
-
 def _region_body(token: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The region's body. Traced by dynamo, it is just ``fn``. Run eagerly - dynamo broke the
     graph inside the region and executes the checkpoint call as Python - it runs ``fn``
@@ -138,7 +105,7 @@ def _region_body(token: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
     (nothing is left for torch to recompute, so the user's Python runs once)."""
     if torch.compiler.is_compiling():
         if _PROBE_HOOKS_WHILE_TRACED and _untraceable_hooks(token):
-            torch._dynamo.graph_break()  # the region then runs through the eager runtime
+            dynamo_graph_break()  # the region then runs through the eager runtime
         return fn(*args, **kwargs)
     group = group_of_token(token)
     return _run_eagerly(RegionFrame(group.name, group.policy, budget=group.budget),
@@ -150,7 +117,7 @@ def _checkpoint_body(name: str, policy: Any, allow: bool, fn: Callable[..., Any]
     """:func:`_region_body` of a ``sac_compile.checkpoint`` call (its raw policy and name)."""
     if torch.compiler.is_compiling():
         if _PROBE_HOOKS_WHILE_TRACED and _untraceable_checkpoint_hooks(name, policy):
-            torch._dynamo.graph_break()
+            dynamo_graph_break()
         return fn(*args, **kwargs)
     from ..policy import normalize_policy
     return _run_eagerly(RegionFrame(name, normalize_policy(policy)), allow, fn, args, kwargs)
@@ -168,11 +135,10 @@ def _run_eagerly(frame: RegionFrame, allow: bool, fn: Callable[..., Any], args: 
 
 _HOOKS_FALLBACK: set[str] = set()  # regions run eagerly for their hooks (one warning, not two)
 
-# torch >= 2.12's Dynamo calls an assume_constant_result function with an object argument
-# (the policy) as it is, guarded by identity; 2.11's asks the object for a Python constant and
-# fails. There the hooks are not probed before tracing: untraceable hooks are the
-# partitioner's CheckpointError, which says that the eager fallback needs torch >= 2.12.
-_PROBE_HOOKS_WHILE_TRACED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
+# torch >= 2.12 (the gate and why: torch_internals.CONSTANT_RESULT_TAKES_OBJECTS). Before,
+# the hooks are not probed before tracing: untraceable hooks are the partitioner's
+# CheckpointError, which says that the eager fallback needs torch >= 2.12.
+_PROBE_HOOKS_WHILE_TRACED = CONSTANT_RESULT_TAKES_OBJECTS
 
 
 def hooks_fall_back_to_eager() -> bool:
@@ -261,9 +227,6 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     return name_op(tensor, label)
 
 
-_CONTEXT_FN_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint"
-
-
 def context_fn_kind(context_fn: Any) -> str | None:
     """``"region"`` (``partial(region_contexts, token)``), ``"checkpoint"``
     (``partial(policy_contexts, name, raw_policy)``), or None: not one of ours."""
@@ -295,32 +258,12 @@ def _is_ours(context_fn: Any) -> bool:
 
 
 def quiet_torch_context_fn_warning() -> None:
-    """Wrap ``torch._higher_order_ops.wrap.warning_once`` (idempotent): its context_fn
-    warning is skipped when the caller's ``context_fn`` (the ``tag_activation_checkpoint``
-    implementation's local, or on torch 2.11 its ``gmod.meta["_checkpoint_context_fn"]``)
-    is ours; every other call goes to torch's ``warning_once`` unchanged, cache included."""
-    try:
-        from torch._higher_order_ops import wrap
-    except ImportError:  # pragma: no cover
-        return
-    original = getattr(wrap, "warning_once", None)
-    if original is None or getattr(original, "_sac_compile_quiet", False):
-        return
-
-    @functools.wraps(original)
-    def warning_once(logger_obj: Any, *args: Any, **kwargs: Any) -> None:
-        if args and _CONTEXT_FN_WARNING in str(args[0]):
-            caller = sys._getframe(1).f_locals
-            context_fn = caller.get("context_fn")
-            if context_fn is None:  # torch 2.11 reads it from the graph after the warning
-                gmod = caller.get("gmod")
-                context_fn = graph_meta.checkpoint_context_fn(gmod)
-            if _is_ours(context_fn):
-                return None
-        return original(logger_obj, *args, **kwargs)
-
-    warning_once._sac_compile_quiet = True  # type: ignore[attr-defined]
-    wrap.warning_once = warning_once
+    """Skip torch's context_fn warning when the caller's ``context_fn`` (the
+    ``tag_activation_checkpoint`` implementation's local, or on torch 2.11 its
+    ``gmod.meta["_checkpoint_context_fn"]``) is ours; every other call goes to torch's
+    ``warning_once`` unchanged, cache included. The rebinding itself is quarantined in
+    :func:`sac_compile.torch_patches.quiet_context_fn_warning` (idempotent)."""
+    quiet_context_fn_warning(_is_ours)
 
 
 quiet_torch_context_fn_warning()

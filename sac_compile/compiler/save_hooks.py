@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .. import graph_meta
 from ..policy import SaveWithHooks
+from ..torch_internals import OpOverload, pytree
 from .offload import hooks_api
 
 __all__ = ["UntraceableHooks", "TracedHooks", "trace_hooks", "apply_hooks", "reachable_hooks",
@@ -61,7 +61,7 @@ def _check_graph(gm: fx.GraphModule, what: str) -> None:
         if node.op != "call_function":
             continue
         target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        if isinstance(target, OpOverload) and target._schema.is_mutable:
             mutated = [a for a, arg in zip(node.args, target._schema.arguments)
                        if arg.alias_info is not None and arg.alias_info.is_write]
             if any(isinstance(a, fx.Node) and a.op == "placeholder" for a in mutated):
@@ -292,7 +292,7 @@ def untraceable_hooks(policy: Any) -> str | None:
     """Why one of the hooks a policy can return cannot be traced into compiled graphs
     (tried on a small float32 fake tensor: pack's Python runs once more, on it), or None. Hooks that trace on this probe but not
     on a region's real values still raise the partitioner's ``CheckpointError``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..torch_internals import FakeTensorMode
 
     for hooks in reachable_hooks(policy):
         try:

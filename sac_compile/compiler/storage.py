@@ -315,8 +315,8 @@ def _hooks_error(d: fx.Node, s: fx.Node, dec: Decision, why: str) -> str:
 
 
 def _hooks_fallback_note() -> str:
-    from .regions_compiled import hooks_fall_back_to_eager
-    if hooks_fall_back_to_eager():
+    from ..torch_internals import CONSTANT_RESULT_TAKES_OBJECTS, TORCH_VERSION
+    if CONSTANT_RESULT_TAKES_OBJECTS:  # regions_compiled.hooks_fall_back_to_eager()
         return ""
     return (f" (torch >= 2.12 does that by itself for hooks a region's policy returns; this "
-            f"is torch {torch.__version__})")
+            f"is torch {TORCH_VERSION})")

@@ -46,7 +46,6 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .. import graph_meta
@@ -59,6 +58,7 @@ from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decis
 from ..region_groups import RegionGroup, group_of_token, split_by_name
 from ..markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import is_joint_graph
+from ..torch_internals import TorchDispatchMode, TorchDispatchModeKey, get_dispatch_mode
 from .who_splits import partitioned_by_us, sac_partitioning  # noqa: F401  (re-exported)
 
 __all__ = ["SACTaggingMode", "NoOpMode", "region_contexts", "CompiledCheckpointError"]
@@ -76,7 +76,7 @@ def _active() -> list[SACTaggingMode]:
 
 
 def _proxy_mode() -> Any:
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:
+    if get_dispatch_mode(TorchDispatchModeKey.PROXY) is None:
         return None
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
     return get_proxy_mode()
@@ -281,8 +281,8 @@ def _runs_eagerly() -> bool:
     """No tracing of any kind: real tensors, torch's checkpoint op executed as Python."""
     if torch.compiler.is_compiling():
         return False
-    key = torch._C._TorchDispatchModeKey
-    return all(torch._C._get_dispatch_mode(k) is None
+    key = TorchDispatchModeKey
+    return all(get_dispatch_mode(k) is None
                for k in (key.PROXY, key.FAKE, key.FUNCTIONAL))
 
 

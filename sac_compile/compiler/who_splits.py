@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import types
 from collections.abc import Iterator
 from typing import Any
+
+from ..torch_internals import TorchAPIMissing
+from ..torch_patches import partition_fn_on_stack
 
 __all__ = ["sac_partitioning", "partitioned_by_us", "splits_with_sac", "register_partitioner"]
 
@@ -55,21 +57,12 @@ def partitioned_by_us() -> bool:
     if getattr(_state, "ours", 0):
         return True
     try:
-        from torch._inductor import config
+        from ..torch_internals import inductor_config as config
         if splits_with_sac(getattr(config, "custom_partitioner_fn", None)):
             return True
-    except ImportError:  # pragma: no cover
+    except TorchAPIMissing:  # pragma: no cover
         pass
-    return splits_with_sac(_partition_fn_on_stack())
-
-
-def _partition_fn_on_stack() -> Any:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "aot_module_simplified":
-            return frame.f_locals.get("partition_fn")
-        frame = frame.f_back
-    return None
+    return splits_with_sac(partition_fn_on_stack())
 
 
 _DEPTH = 4  # wrappers of wrappers: how far references are followed

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import py_sym_types
-from torch.utils import _pytree as pytree
 
 from .. import graph_meta
 from ..op_costs import hint as _hint
 from ..op_costs import op_flops
+from ..torch_internals import HigherOrderOperator, OpOverload, TorchAPIMissing, pytree
 
 __all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "rng_state_bytes", "is_sym", "is_opaque",
            "op_label"]
@@ -97,7 +97,7 @@ def traffic(node: fx.Node) -> int:
 
 def is_view(node: fx.Node) -> bool:
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     if target is torch.ops.aten.detach.default or target is torch.ops.aten.alias.default:
         return True
@@ -109,7 +109,7 @@ def is_random(node: fx.Node) -> bool:
     attention kernel (or dropout) whose dropout probability is 0 - SDPA ops carry the tag
     whatever their ``dropout_p``, which would ban recomputing every attention."""
     target = node.target
-    if not (isinstance(target, torch._ops.OpOverload)
+    if not (isinstance(target, OpOverload)
             and torch.Tag.nondeterministic_seeded in target.tags):
         return False
     return _dropout_p(node) != 0
@@ -150,7 +150,7 @@ def op_label(node: fx.Node) -> str:
     if node.target is operator.getitem:
         base = node.args[0]
         return f"{op_label(base)}[{node.args[1]}]" if isinstance(base, fx.Node) else "getitem"
-    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+    if isinstance(node.target, (OpOverload, HigherOrderOperator)):
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target))
 
@@ -164,14 +164,13 @@ def is_opaque(node: fx.Node) -> bool:
     ``BackwardState`` (a tensor hook on a region's output), a script object, an opaque
     object. Keeping it costs nothing; it is handed to the backward as torch's partitioner
     hands it (``_extract_fwd_bwd_modules``' ``saved_opaque_nodes``, or directly)."""
-    from torch._library.fake_class_registry import FakeScriptObject
-    from torch.fx.experimental._backward_state import BackwardState
+    from ..torch_internals import BackwardState, FakeScriptObject
 
     val = graph_meta.val(node)
     if isinstance(val, (BackwardState, FakeScriptObject, torch.ScriptObject)):
         return True
     try:
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-    except ImportError:  # pragma: no cover - older torch
+        from ..torch_internals import is_opaque_node
+    except TorchAPIMissing:  # pragma: no cover - older torch
         return False
     return bool(is_opaque_node(node))

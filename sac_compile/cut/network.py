@@ -122,11 +122,10 @@ class Classification:
 
 
 def classify(gm: fx.GraphModule, num_fwd_outputs: int) -> Classification:
-    from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _must_be_in_backward
+    from ..torch_internals import (InputMutationAOTOutput, extract_fwd_bwd_outputs,
+                                   must_be_in_backward)
 
-    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
-
-    fwd_outputs, bwd_outputs, fwd_descs, _ = _extract_fwd_bwd_outputs(
+    fwd_outputs, bwd_outputs, fwd_descs, _ = extract_fwd_bwd_outputs(
         gm, num_fwd_outputs=num_fwd_outputs)
     # Inputs the forward mutates hold other values by backward time: never saved as such.
     mutated_descs = [d.mutated_input for d in fwd_descs if isinstance(d, InputMutationAOTOutput)]
@@ -137,7 +136,7 @@ def classify(gm: fx.GraphModule, num_fwd_outputs: int) -> Classification:
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
-        if node_role(n).runs_in_backward or _must_be_in_backward(n) or \
+        if node_role(n).runs_in_backward or must_be_in_backward(n) or \
                 any(a in backward for a in n.all_input_nodes):
             backward.add(n)
         else:
@@ -266,7 +265,7 @@ def _effectful_reason(node: fx.Node) -> Reason | None:
     text = effect_reason(target)
     if text is not None:
         return Reason(ReasonKind.EFFECTFUL, text)
-    from torch._functorch._aot_autograd.utils import is_with_effects
+    from ..torch_internals import is_with_effects
     base = node.args[0] if target is operator.getitem and node.args else None
     if is_with_effects(node) or (isinstance(base, fx.Node) and is_with_effects(base)):
         return Reason(ReasonKind.EFFECTFUL, "effectful op")
@@ -291,7 +290,7 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
     """``packed_bytes``: the packed size of values saved with ``SaveWithHooks``
     (:func:`.storage.packed_sizes`); their device bytes. ``can_offload``: False where
     torch has no offload pass (every value stays on the device)."""
-    from torch._functorch.partitioners import _must_be_in_forward, get_default_op_list
+    from ..torch_internals import get_default_op_list, must_be_in_forward
 
     op_types = get_default_op_list()
     index = cls.index
@@ -332,7 +331,7 @@ def build_flow_network(gm: fx.GraphModule, cls: Classification, cost: CostModel,
             reason = None
         elif policy is not None and policy in (P.MUST_SAVE, P.MUST_CPU_OFFLOAD):
             reason = Reason(ReasonKind.MUST_SAVE, f"{dec.label} by {dec.source}")
-        elif _must_be_in_forward(v):
+        elif must_be_in_forward(v):
             reason = Reason(ReasonKind.MUST_RUN_IN_FORWARD, "must run in forward")
         elif policy is not P.MUST_RECOMPUTE and _effectful_reason(v):
             reason = _effectful_reason(v)

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..errors import CompiledCheckpointError
+from ..torch_internals import TorchAPIMissing
 from .budget import TILT, EXACT_TIME_LIMIT, BudgetResult, Cut, _cut, _is_activation
 from .network import FlowNetwork
 from .solvers import source_side
@@ -82,7 +83,7 @@ class RegionBudgetFacts:
 def torch_global_budget() -> float | None:
     """``torch._functorch.config.activation_memory_budget`` when it asks for less than the
     default strategy (< 1.0); None otherwise."""
-    import torch._functorch.config as config
+    from ..torch_internals import functorch_config as config
     b = getattr(config, "activation_memory_budget", 1.0)
     return float(b) if b is not None and float(b) < 1.0 else None
 
@@ -93,16 +94,16 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
     (``region_activation_memory_budget``, torch >= 2.13) and, with ``global_fraction``
     (torch's ``activation_memory_budget``), one over the values none of them covers."""
     try:
-        from torch.fx.traceback import _get_memory_budget_annotation
-    except ImportError:  # pragma: no cover - torch < 2.13
-        _get_memory_budget_annotation = None
+        from ..torch_internals import get_memory_budget_annotation
+    except TorchAPIMissing:  # pragma: no cover - torch < 2.13
+        get_memory_budget_annotation = None
     groups: dict[object, BudgetGroup] = {}
     rest: list[fx.Node] = []
     run, last = 0, None
     for v in nodes:
         if v.op != "call_function":
             continue
-        b = _get_memory_budget_annotation(v) if _get_memory_budget_annotation else None
+        b = get_memory_budget_annotation(v) if get_memory_budget_annotation else None
         call = graph_meta.outer_region_id(v)
         if b is None:
             rest.append(v)

@@ -59,7 +59,7 @@ def node_role(node: fx.Node) -> Role:
 
 
 def _role_from_descriptor(desc: object) -> Role | None:
-    from torch._functorch._aot_autograd import descriptors as d
+    from ..torch_internals import aot_descriptors as d
 
     if not isinstance(desc, d.AOTInput):
         return None

@@ -26,6 +26,7 @@ import torch
 
 from ..per_call import fresh_frame
 from ..policy import RegionFrame
+from ..torch_internals import TorchAPIMissing, peek_interpreter_stack
 from . import marker_rules
 from .record import RegionRecorder
 from .replay import unpack_hook
@@ -90,7 +91,7 @@ def _refuse_functorch(frame: RegionFrame) -> None:
     hooks under grad/vjp (its message names neither the region nor another way), and the
     recorder's own ops fail under vmap/jvp (an internal assert). Say which region, and what
     works instead."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
+    interpreter = peek_interpreter_stack()
     if interpreter is None:
         return
     from ..policy import CheckpointError
@@ -123,9 +124,8 @@ def keep_dynamo_out() -> None:
     global _dynamo_kept_out
     _dynamo_kept_out = True
     try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:  # pragma: no cover - another torch: Dynamo may try, and fall back
+        from ..torch_internals import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except TorchAPIMissing:  # pragma: no cover - another torch: Dynamo may try, and fall back
         return
     from . import replay
     skip_all = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)

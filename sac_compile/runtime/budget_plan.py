@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..policy import CheckpointError
+from ..torch_internals import pytree
 from .budget_graph import Plan, RegionGraph, plan_of_cut, region_network
 
 if TYPE_CHECKING:  # annotations only: budget_run calls this module
@@ -33,7 +34,7 @@ def packed_sizes(nodes: list[Any]) -> dict[tuple[int, int], int]:
                 continue
             try:
                 packed = dec.hooks.pack(torch.empty_like(t, device="meta"))
-                leaves = torch.utils._pytree.tree_leaves(packed)
+                leaves = pytree.tree_leaves(packed)
                 sizes[(id(node), i)] = sum(x.numel() * x.element_size() for x in leaves
                                            if isinstance(x, torch.Tensor))
             except Exception:

@@ -13,6 +13,7 @@ import torch
 
 from ..policy import Decision, Opinion, op_name
 from ..effects import effect_reason, is_process_group_collective
+from ..torch_internals import OpOverload
 from .stats import EagerStats
 
 _NON_DIFF_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -46,7 +47,7 @@ class OpInfo:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
         # OpOverload.__call__ only forwards to its C++ builtin ``_op``: calling that
         # directly saves a Python frame per op recorded or replayed.
-        self.call = getattr(op, "_op", op) if isinstance(op, torch._ops.OpOverload) else op
+        self.call = getattr(op, "_op", op) if isinstance(op, OpOverload) else op
         tags = getattr(op, "tags", ())
         self.random = torch.Tag.nondeterministic_seeded in tags
         schema = getattr(op, "_schema", None)

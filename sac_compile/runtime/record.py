@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..inert_policies import DecidedOp, warn_inert_policies
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
                       make_decider, op_name)
 from ..effects import KeptDecision, kept_decision
+from ..torch_internals import (ForceDispatchKeyGuard, TorchDispatchMode,
+                               dispatch_tls_local_exclude_set, dispatch_tls_local_include_set)
 from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, ReplayContext,
                     SavedHandle, flat_outputs, map_refs, mutated_tensors, nbytes,
                     needs_detach, op_info, storage_key)
@@ -50,8 +51,8 @@ class RegionRecorder(TorchDispatchMode):
         # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
         # an alias with a fresh version counter, blind to the program's later in-place
         # ops. Detaching under the caller's keys shares the counter, as autograd's does.
-        self.caller_dispatch_keys = (torch._C._dispatch_tls_local_include_set(),
-                                     torch._C._dispatch_tls_local_exclude_set())
+        self.caller_dispatch_keys = (dispatch_tls_local_include_set(),
+                                     dispatch_tls_local_exclude_set())
         return super().__enter__()
 
     def _saved_alias(self, node: OpNode, t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ class RegionRecorder(TorchDispatchMode):
         if op_info(node.op).is_view and not t.is_inference():
             base = _input_sharing_storage(node, t)
             if base is not None:
-                with torch._C._ForceDispatchKeyGuard(*self.caller_dispatch_keys):
+                with ForceDispatchKeyGuard(*self.caller_dispatch_keys):
                     return self._alias(base, saving=False).as_strided(
                         t.size(), t.stride(), t.storage_offset())
         return self._alias(t, saving=True)
@@ -72,7 +73,7 @@ class RegionRecorder(TorchDispatchMode):
             return t
         if not saving and not t.requires_grad:
             return t
-        with torch._C._ForceDispatchKeyGuard(*self.caller_dispatch_keys):
+        with ForceDispatchKeyGuard(*self.caller_dispatch_keys):
             return t.detach()
 
     @property

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..policy import CheckpointError, op_name
+from ..torch_internals import current_autograd_node
 from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, SavedHandle,
                     alias_for_saving, flat_outputs, map_refs, mutated_tensors,
                     op_info, tensor_text)
@@ -68,9 +69,9 @@ def unpack_hook() -> Any:
     if _DYNAMO_OPAQUE_UNPACK is None:
         if "torch._dynamo" not in sys.modules:
             return unpack
-        from torch._dynamo import compiled_autograd
+        from ..torch_internals import compiled_autograd, dynamo_disable
         _CA = compiled_autograd
-        _DYNAMO_OPAQUE_UNPACK = torch._dynamo.disable(
+        _DYNAMO_OPAQUE_UNPACK = dynamo_disable(
             unpack, reason="sac_compile's unpack hook runs the eager runtime (recompute)")
     return _DYNAMO_OPAQUE_UNPACK
 
@@ -136,7 +137,7 @@ def _release(node: OpNode) -> None:
 def _unpack_foreign(saved: ForeignSaved) -> torch.Tensor:
     t = saved.value
     if saved.version is not None and t._version != saved.version:
-        grad_fn = torch._C._current_autograd_node()
+        grad_fn = current_autograd_node()
         op = f"the backward of {grad_fn.name()}" if grad_fn is not None else "backward"
         what = "a parameter" if isinstance(t, torch.nn.Parameter) else \
             "a tensor from outside the region (an input, a parameter or a buffer)"
