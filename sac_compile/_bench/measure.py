@@ -41,7 +41,7 @@ aten = torch.ops.aten
 __all__ = ["TORCH_SAVE_MATMUL_OPS", "storage_key", "storage_nbytes", "param_storages",
            "SavedBytes", "TorchSAC", "torch_sac_blocks", "wrap_blocks", "wrapped_blocks",
            "StepResult", "measure_noac", "measure_torch_sac", "count_aten_ops",
-           "interleaved_medians", "paired", "fmt_bytes"]
+           "interleaved_medians", "paired"]
 
 
 def _optional_ops(*names: str) -> list[Any]:
@@ -437,12 +437,3 @@ def paired(timings: dict[str, Timing], a: str, b: str,
     :func:`interleaved_medians` (default: the ratio a/b). Pairing by round cancels slow
     drifts of the machine's load, which medians of each strategy alone do not."""
     return statistics.median(op(x, y) for x, y in zip(timings[a].samples, timings[b].samples))
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

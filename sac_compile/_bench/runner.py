@@ -60,7 +60,8 @@ import torch.nn as nn
 
 from ..policies import relaxed
 from ..policy import CheckpointError
-from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_medians,
+from ..report import fmt_bytes
+from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, interleaved_medians,
                       measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
                       wrapped_blocks)
 from .models import clear_grads, grads_of, max_grad_diff
@@ -176,7 +177,7 @@ class _Runner:
         budget = cfg.budget
         self.rows["ours_budget"].label = (
             (f"ours compiled, budget {budget:g}" if isinstance(budget, float)
-             else f"ours compiled, budget {fmt_bytes(budget)}") + f" ({cfg.policy_label}, "
+             else f"ours compiled, budget {fmt_bytes(budget, 2)}") + f" ({cfg.policy_label}, "
             f"MUSTs relaxed)")
         self.rows["ours_eager_budget"].label = self.rows["ours_budget"].label.replace(
             "ours compiled", "ours eager")
@@ -317,7 +318,7 @@ class _Runner:
         row.step = step
         self.progress.say(f"compiled {row.label} in {row.compile_s:.1f} s: "
                           f"{len(figures.splits)} forward/backward split(s), keeps "
-                          f"{fmt_bytes(row.kept_bytes)}, recomputes {row.recomputed_ops} ops")
+                          f"{fmt_bytes(row.kept_bytes, 2)}, recomputes {row.recomputed_ops} ops")
 
     def _on_partition(self, figures: PartitionFigures) -> Callable[[Any], None]:
         return OnPartition(figures, self.progress)
