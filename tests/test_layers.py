@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                      "sac_compile.policy_identity", "sac_compile.inert_policies",
                      "sac_compile.policy",
                      "sac_compile.effects", "sac_compile.op_costs", "sac_compile.op_names",
-                     "sac_compile.errors",
+                     "sac_compile.tensor_memory", "sac_compile.errors",
                      "sac_compile.logs")),
 ]
 

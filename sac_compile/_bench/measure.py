@@ -15,9 +15,10 @@
 * :func:`interleaved_medians`, :func:`paired` — step times of several strategies measured
   round-robin in one run; medians, and medians of per-round ratios or differences.
 
-Nothing here imports the rest of ``sac_compile``. Bytes are counted per unique storage (views of one
-storage count once) and exclude the storages of ``exclude`` (e.g. the model's parameters
-and buffers: weights are not activations).
+Of the rest of ``sac_compile`` this imports only ``tensor_memory``. Bytes are counted per
+unique storage (views of one storage count once, :func:`~sac_compile.tensor_memory.storage_key`)
+and exclude the storages of ``exclude`` (e.g. ``param_storages(model)``, the model's
+parameters and buffers: weights are not activations).
 """
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..tensor_memory import param_storages, storage_key, storage_nbytes
+
 aten = torch.ops.aten
 
-__all__ = ["TORCH_SAVE_MATMUL_OPS", "storage_key", "storage_nbytes", "param_storages",
-           "SavedBytes", "TorchSAC", "torch_sac_blocks", "wrap_blocks", "wrapped_blocks",
-           "StepResult", "measure_noac", "measure_torch_sac", "count_aten_ops",
+__all__ = ["TORCH_SAVE_MATMUL_OPS", "SavedBytes", "TorchSAC", "torch_sac_blocks", "wrap_blocks",
+           "wrapped_blocks", "StepResult", "measure_noac", "measure_torch_sac", "count_aten_ops",
            "interleaved_medians", "paired"]
 
 
@@ -65,23 +67,6 @@ TORCH_SAVE_MATMUL_OPS: list[Any] = [
 # Bytes
 # --------------------------------------------------------------------------------------
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the memory behind ``t``: (device, storage data pointer)."""
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr())
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-def param_storages(module: nn.Module) -> set[tuple[str, int]]:
-    """Storage keys of a module's parameters and buffers."""
-    keys = {storage_key(p) for p in module.parameters()}
-    keys.update(storage_key(b) for b in module.buffers())
-    return keys
-
-
 class SavedBytes:
     """Unique storages of tensors packed by autograd while the context is active.
 
@@ -96,9 +81,9 @@ class SavedBytes:
     its own hooks inside.
     """
 
-    def __init__(self, exclude: Iterable[tuple[str, int]] = ()) -> None:
+    def __init__(self, exclude: Iterable[int] = ()) -> None:
         self.exclude = set(exclude)
-        self.storages: dict[tuple[str, int], int] = {}
+        self.storages: dict[int, int] = {}
         self.packed = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -114,7 +99,8 @@ class SavedBytes:
     def add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
             key = storage_key(t)
-            if key not in self.exclude and key[1] != 0:
+            # A storage at address 0 holds no memory (empty, meta or fake).
+            if key not in self.exclude and t.untyped_storage().data_ptr() != 0:
                 self.storages[key] = storage_nbytes(t)
 
     @property
@@ -214,7 +200,7 @@ class TorchSAC:
                                 isinstance(leaf.val, torch.Tensor):
                             yield leaf.val
 
-    def cached_bytes(self, exclude: Iterable[tuple[str, int]] = ()) -> int:
+    def cached_bytes(self, exclude: Iterable[int] = ()) -> int:
         meter = SavedBytes(exclude)
         for t in self.cached_tensors():
             meter.add(t)

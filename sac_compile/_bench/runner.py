@@ -61,9 +61,9 @@ import torch.nn as nn
 from ..policies import relaxed
 from ..policy import CheckpointError
 from ..report import fmt_bytes
-from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, interleaved_medians,
-                      measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
-                      wrapped_blocks)
+from ..tensor_memory import param_storages
+from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, interleaved_medians, measure_noac,
+                      measure_torch_sac, paired, wrap_blocks, wrapped_blocks)
 from .models import clear_grads, grads_of, max_grad_diff
 from .partition_figures import OnPartition, PartitionFigures, upstream_backend
 from .strategies import (as_blocked_model, copy_model, full_ac, loss_of, measure_ours,

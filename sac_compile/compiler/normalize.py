@@ -52,6 +52,7 @@ from ..policy import CheckpointError, CheckpointPolicy, Decision, Opinion, Vote,
 from ..cut.costs import is_view
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import Role, node_role
+from ..tensor_memory import is_view_op
 from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
@@ -62,7 +63,6 @@ __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
 #: The region name of torch's own ``checkpoint(..., context_fn=...)`` regions.
 TORCH_REGION = "checkpoint"
 
-aten = torch.ops.aten
 PassResult = tuple[fx.GraphModule, int]  # the graph, and how many nodes the pass changed
 
 
@@ -247,11 +247,7 @@ def _decided_as_view(node: fx.Node) -> bool:
     op = node.meta.get("sac_op")
     if op is None:  # torch's own tags (pass 1) are per op: the node is the op decided
         return (decision_of(node).region or TORCH_REGION) == TORCH_REGION
-    return op is node.target or (isinstance(op, OpOverload) and _is_view_op(op))
-
-
-def _is_view_op(op: OpOverload) -> bool:
-    return bool(op.is_view) or op in (aten.detach.default, aten.alias.default)
+    return op is node.target or is_view_op(op)
 
 
 def _storage_base(node: fx.Node) -> fx.Node:

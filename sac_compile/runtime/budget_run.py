@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from ..budgets import RegionBudget
-from ..policy import CheckpointError, CheckpointPolicy, Decision, op_name
+from ..policy import CheckpointPolicy, Decision, op_name
+from ..tensor_memory import storage_key, storage_nbytes
 from .budget_graph import Plan
-from .graph import OpNode, nbytes, storage_key
+from .graph import OpNode
 from .stats import SavedValueRecord
 
 __all__ = ["BudgetRun", "Plan", "BudgetDecision"]
@@ -127,7 +128,7 @@ class BudgetRun:
                     key = storage_key(t)
                     records.append(SavedValueRecord(
                         f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
-                        0 if key in seen else nbytes(t), node.decision.reason(), node.region,
+                        0 if key in seen else storage_nbytes(t), node.decision.reason(), node.region,
                         "budget"))
                     seen.add(key)
             node.kept, node.kept_versions = kept, versions
