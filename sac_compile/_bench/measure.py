@@ -15,7 +15,7 @@
 * :func:`interleaved_medians`, :func:`paired` — step times of several strategies measured
   round-robin in one run; medians, and medians of per-round ratios or differences.
 
-Of the rest of ``sac_compile`` this imports only ``tensor_memory``. Bytes are counted per
+Of the rest of ``sac_compile`` this imports only ``tensor_memory`` and ``gradients``. Bytes are counted per
 unique storage (views of one storage count once, :func:`~sac_compile.tensor_memory.storage_key`)
 and exclude the storages of ``exclude`` (e.g. ``param_storages(model)``, the model's
 parameters and buffers: weights are not activations).
@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..tensor_memory import param_storages, storage_key, storage_nbytes
+from .gradients import clear_grads, grads_of, loss_fn
 
 aten = torch.ops.aten
 
@@ -285,7 +286,7 @@ class StepResult:
     storages; parameters and buffers excluded), inside and outside the checkpointed blocks.
     ``policy_bytes``: the part kept because the policy said save (upstream SAC: its cache;
     sac_compile: its runtime's ``saved_bytes``); ``None`` without checkpointing.
-    ``recomputed_ops``: ATen ops re-run in backward. ``grads``: see ``models.grads_of``.
+    ``recomputed_ops``: ATen ops re-run in backward. ``grads``: see ``gradients.grads_of``.
     """
 
     strategy: str
@@ -302,7 +303,6 @@ class StepResult:
 
 def _step(model: nn.Module, inputs: tuple, seed: int, loss: Callable[[Any], torch.Tensor],
           forward_ctx: Callable[[], Any]) -> tuple[Any, torch.Tensor]:
-    from .models import clear_grads
     clear_grads(model, inputs)
     torch.manual_seed(seed)
     with forward_ctx() as ctx:
@@ -313,7 +313,6 @@ def _step(model: nn.Module, inputs: tuple, seed: int, loss: Callable[[Any], torc
 def measure_noac(model: nn.Module, inputs: tuple, *, seed: int = 0,
                  loss: Callable[[Any], torch.Tensor] | None = None) -> StepResult:
     """No checkpointing: bytes are what autograd packs (a :class:`SavedBytes` pair)."""
-    from .models import clear_grads, grads_of, loss_fn
     exclude = param_storages(model)
     meter, out = _step(model, inputs, seed, loss or loss_fn, lambda: SavedBytes(exclude))
     out.backward()
@@ -331,7 +330,6 @@ def measure_torch_sac(model: nn.Module, inputs: tuple, policy: Any = TORCH_SAVE_
     what autograd packs outside the checkpointed functions, the checkpoints' saved inputs
     included. Recomputed ops: cache misses of its recompute-side dispatch mode.
     """
-    from .models import clear_grads, grads_of, loss_fn
     exclude = param_storages(model)
     sac = TorchSAC(policy)
 

@@ -40,7 +40,7 @@ How each figure is obtained:
   ``torch.utils.flop_counter`` rules.
 * time: ``_bench.measure.interleaved_medians`` (round-robin, rotating order) and
   ``paired`` ratios to no AC, one run.
-* grad diff: ``_bench.models.max_grad_diff`` against no AC from the same seed. Compiled
+* grad diff: ``_bench.gradients.max_grad_diff`` against no AC from the same seed. Compiled
   strategies run with ``torch._inductor.config.fallback_random = True`` so that dropout draws
   the same masks as eager mode.
 """
@@ -64,7 +64,7 @@ from ..report import fmt_bytes
 from ..tensor_memory import param_storages
 from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, interleaved_medians, measure_noac,
                       measure_torch_sac, paired, wrap_blocks, wrapped_blocks)
-from .models import clear_grads, grads_of, max_grad_diff
+from .gradients import clear_grads, grads_of, max_grad_diff
 from .partition_figures import OnPartition, PartitionFigures, upstream_backend
 from .strategies import (as_blocked_model, copy_model, full_ac, loss_of, measure_ours,
                          ours, torch_sac)
