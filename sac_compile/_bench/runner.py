@@ -221,12 +221,6 @@ class _Runner:
             step()
         return int(fc.get_total_flops())
 
-    def _grads_after(self, step: Callable[[], Any], model: nn.Module) -> dict[str, torch.Tensor]:
-        step()
-        grads = grads_of(model, self.inputs)
-        clear_grads(model, self.inputs)
-        return grads
-
     # -- eager -------------------------------------------------------------------------------
     def eager(self, key: str) -> None:
         row, model, inputs, seed = self.rows[key], self.template, self.inputs, self.cfg.seed

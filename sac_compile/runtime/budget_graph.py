@@ -45,10 +45,6 @@ class RegionGraph:
     stand_ins: dict[fx.Node, fx.Node]           # values kept off the device (offload)
 
 
-class _Holder(torch.nn.Module):
-    pass
-
-
 def region_network(nodes: Sequence[OpNode], handles: Sequence[NodeOutput],
                    packed_bytes: dict[tuple[int, int], int]) -> RegionGraph:
     """The flow network of one recorded region call. ``packed_bytes``: the packed size of

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from ..budgets import RegionBudget
 from ..policy import CheckpointPolicy, Decision, op_name
 from ..tensor_memory import storage_key, storage_nbytes
@@ -62,7 +60,6 @@ class BudgetRun:
         with budget.lock:
             self.candidates: list[Plan] = list(budget.plans.values())
         self.held: list[Any] = []
-        self.solved = False
 
     def on_op(self, node: OpNode, out: Any) -> None:
         """After op ``node`` ran (its decision made): keep its outputs alive if a plan that
@@ -85,7 +82,6 @@ class BudgetRun:
                 return p
         from .budget_plan import solve_region
         plan = solve_region(self, recorder, signature)
-        self.solved = True
         if plan.final:
             with self.budget.lock:
                 self.budget.plans[signature] = plan
@@ -156,7 +152,3 @@ def _changed(dec: Decision, policy: CheckpointPolicy, why: str) -> BudgetDecisio
                           dec.region, "budget", original=original,
                           label_text=f"{why}; the policy said {original.label}")
 
-
-def held_outputs(out: Any) -> Any:
-    """What to hold of an op's result (the result itself: a tensor or a tuple of them)."""
-    return out if isinstance(out, (torch.Tensor, tuple, list)) else None
