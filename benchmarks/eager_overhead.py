@@ -31,10 +31,11 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fixtures import make_model  # noqa: E402
-from fixtures.measure import (TORCH_SAVE_MATMUL_OPS, count_aten_ops, fmt_bytes,  # noqa: E402
+from fixtures.measure import (TORCH_SAVE_MATMUL_OPS, count_aten_ops,  # noqa: E402
                               interleaved_medians, measure_noac, measure_torch_sac, paired,
                               torch_sac_blocks, TorchSAC)
 from fixtures.models import clear_grads, loss_fn, max_grad_diff  # noqa: E402
+from sac_compile.report import fmt_bytes  # noqa: E402
 
 try:
     import sac_compile
@@ -205,8 +206,8 @@ def bench_mlp(reps: int, budget_s: float, device: str = "cpu",
                                and r.policy_bytes <= tsac.policy_bytes)
         byte_rows.append([
             r.strategy,
-            fmt_bytes(r.saved_bytes),
-            fmt_bytes(r.policy_bytes) if r.policy_bytes is not None else "-",
+            fmt_bytes(r.saved_bytes, 2),
+            fmt_bytes(r.policy_bytes, 2) if r.policy_bytes is not None else "-",
             str(r.recomputed_ops),
             f"{max_grad_diff(noac.grads, r.grads):.1e}",
             target, verdict,

@@ -51,9 +51,10 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from gpu_check_report import evaluate_targets, fmt_bytes, render_markdown  # noqa: E402
+from gpu_check_report import evaluate_targets, render_markdown  # noqa: E402
 from gpu_llama import STRATEGY_KEYS, LlamaConfig  # noqa: E402
 from gpu_llama_run import run_llama, why  # noqa: E402
+from sac_compile.report import fmt_bytes  # noqa: E402
 
 #: Section -> share of the time budget.
 SHARES = {"cuda_tests": 100, "llama": 210, "offload": 85, "eager_overhead": 45}
@@ -208,10 +209,10 @@ def section_offload(check: Check, sec: dict[str, Any], args: argparse.Namespace,
             if figs is None:
                 row.update(status="failed", note=note)
             else:
-                row.update({"status": "ok", "device bytes": fmt_bytes(figs.device_bytes),
-                            "host bytes": fmt_bytes(figs.host_bytes), "offloads": figs.offloads,
+                row.update({"status": "ok", "device bytes": fmt_bytes(figs.device_bytes, 2),
+                            "host bytes": fmt_bytes(figs.host_bytes, 2), "offloads": figs.offloads,
                             "reloads": figs.reloads, "recomputed ops": figs.recomputed,
-                            "held to forward end": fmt_bytes(figs.held_to_end), "note": note})
+                            "held to forward end": fmt_bytes(figs.held_to_end, 2), "note": note})
             check.write()
         return
     sec["setup"] = (f"CUDA: GPT d={oargs.d}, {oargs.heads} heads, {oargs.layers} layers, batch "
@@ -241,7 +242,7 @@ def _offload_rows(rows: list[Any]) -> list[dict[str, Any]]:
     for r in rows:
         d = {"configuration": r.cfg.label, "status": r.status, "note": r.note}
         if r.status == "ok":
-            d.update({"peak": fmt_bytes(r.peak), "peak_bytes": r.peak, "step ms": f"{r.ms:.2f}",
+            d.update({"peak": fmt_bytes(r.peak, 2), "peak_bytes": r.peak, "step ms": f"{r.ms:.2f}",
                       "grad rel": f"{r.grad_rel:.1e}" if r.grad_rel is not None else "n/a",
                       "compile s": f"{r.compile_s:.0f}"})
             if base:

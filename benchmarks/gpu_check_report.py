@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TARGETS", "evaluate_targets", "render_markdown", "fmt_bytes"]
+from sac_compile.report import fmt_bytes
+
+__all__ = ["TARGETS", "evaluate_targets", "render_markdown"]
 
 #: The issue's targets, printed beside the figures (key -> text).
 TARGETS = {
@@ -18,15 +20,6 @@ TARGETS = {
     "moonshot": "moonshot: the same step time as torchtitan-style SAC (within +2%) at >= 30% "
                 "less peak memory",
 }
-
-
-def fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _num(x: Any, spec: str) -> str:
@@ -64,8 +57,8 @@ def evaluate_targets(llama: dict[str, Any], on_cuda: bool) -> list[dict[str, str
         o = rows["ours_offload"]
         t = o["step_ms"] / sac["step_ms"]
         ok = o["peak_bytes"] <= sac["peak_bytes"] and t <= 1.02
-        add("offload", f"ours offload {fmt_bytes(o['peak_bytes'])} at {t:.3f}x torch SAC's step; "
-            f"torch SAC (compiled) {fmt_bytes(sac['peak_bytes'])} (upstream's offload pass: "
+        add("offload", f"ours offload {fmt_bytes(o['peak_bytes'], 2)} at {t:.3f}x torch SAC's step; "
+            f"torch SAC (compiled) {fmt_bytes(sac['peak_bytes'], 2)} (upstream's offload pass: "
             f"section 3)", "yes" if ok else "no")
     miss = have("ours_budget", "torch_budget")
     if miss:
@@ -73,16 +66,16 @@ def evaluate_targets(llama: dict[str, Any], on_cuda: bool) -> list[dict[str, str
     else:
         o, u = rows["ours_budget"], rows["torch_budget"]
         ok = o["peak_bytes"] <= u["peak_bytes"] and o["step_ms"] <= u["step_ms"]
-        add("budget", f"ours {fmt_bytes(o['peak_bytes'])}, {o['step_ms']:.2f} ms; torch "
-            f"{fmt_bytes(u['peak_bytes'])}, {u['step_ms']:.2f} ms", "yes" if ok else "no")
+        add("budget", f"ours {fmt_bytes(o['peak_bytes'], 2)}, {o['step_ms']:.2f} ms; torch "
+            f"{fmt_bytes(u['peak_bytes'], 2)}, {u['step_ms']:.2f} ms", "yes" if ok else "no")
     miss = have("ours_compiled", "ours_eager")
     if miss:
         add("working_set", "", miss)
     else:
         c, e = rows["ours_compiled"], rows["ours_eager"]
         ratio = c["act_bytes"] / max(e["act_bytes"], 1)
-        text = (f"ours compiled {fmt_bytes(c['act_bytes'])} / ours eager "
-                f"{fmt_bytes(e['act_bytes'])} = {ratio:.3f}x (activation peak: peak minus "
+        text = (f"ours compiled {fmt_bytes(c['act_bytes'], 2)} / ours eager "
+                f"{fmt_bytes(e['act_bytes'], 2)} = {ratio:.3f}x (activation peak: peak minus "
                 f"what the step started with)")
         if "torch_sac" in rows and "torch_sac_compiled" in rows and rows["torch_sac"].get(
                 "act_bytes"):
@@ -115,7 +108,7 @@ def _graph_peak(splits: list[dict[str, Any]]) -> str:
     def size(p: dict[str, Any]) -> float:
         return max((v for v in p.values() if isinstance(v, (int, float))), default=0)
     p = max(splits, key=size)
-    parts = [f"{k} {fmt_bytes(v) if isinstance(v, (int, float)) else v}" for k, v in p.items()]
+    parts = [f"{k} {fmt_bytes(v, 2) if isinstance(v, (int, float)) else v}" for k, v in p.items()]
     return "; ".join(parts) + (f" (largest of {len(splits)} splits)" if len(splits) > 1 else "")
 
 
@@ -134,8 +127,8 @@ def _llama_table(section: dict[str, Any]) -> list[str]:
         if r.get("lossy"):
             grad += " lossy"
         lines.append(
-            f"| {r['label']} | ok | {fmt_bytes(r.get('peak_bytes'))} | "
-            f"{fmt_bytes(r.get('act_bytes'))} | {_num(r.get('peak_vs_no_ac'), '.3f')} | "
+            f"| {r['label']} | ok | {fmt_bytes(r.get('peak_bytes'), 2)} | "
+            f"{fmt_bytes(r.get('act_bytes'), 2)} | {_num(r.get('peak_vs_no_ac'), '.3f')} | "
             f"{_num(r.get('step_ms'), '.2f')} | {_num(r.get('vs_no_ac'), '.3f')} | "
             f"{_num(r.get('vs_torch_sac'), '.3f')} | {grad} | {graph} | "
             f"{_num(r.get('first_step_s'), '.1f')} |")

@@ -65,6 +65,7 @@ import torch._functorch.config as functorch_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.models import GPT, GPTBlock, grads_of, max_grad_diff  # noqa: E402
+from sac_compile.report import fmt_bytes  # noqa: E402
 
 try:  # ours; on a torch it does not support, the upstream rows still run
     from sac_compile import CheckpointPolicy as CP
@@ -122,14 +123,6 @@ def bf16_policy(ctx, op, *args, **kwargs):
 
 for _fn in (save_policy, offload_policy, bf16_policy):
     _fn.cache_hash = f"benchmarks/offload.py:{_fn.__name__}:1"  # AOTAutograd's cache key
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 # --------------------------------------------------------------------------------------
@@ -479,9 +472,9 @@ def run_meta(args: argparse.Namespace, configs: list[Config]) -> None:
         if figs is None:
             print(f"{cfg.label:<48} failed: {note}")
             continue
-        print(f"{cfg.label:<48} {fmt_bytes(figs.device_bytes):>10} {fmt_bytes(figs.host_bytes):>10} "
-              f"{figs.offloads:>4} {figs.reloads:>4} {fmt_bytes(figs.held_to_end):>10} "
-              f"{fmt_bytes(figs.forward_end_bytes):>10} {figs.recomputed:>6}  "
+        print(f"{cfg.label:<48} {fmt_bytes(figs.device_bytes, 1):>10} {fmt_bytes(figs.host_bytes, 1):>10} "
+              f"{figs.offloads:>4} {figs.reloads:>4} {fmt_bytes(figs.held_to_end, 1):>10} "
+              f"{fmt_bytes(figs.forward_end_bytes, 1):>10} {figs.recomputed:>6}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         notes.extend(f"  {cfg.key}: {n}" for n in figs.notes)
     print("device/host: bytes the forward hands to the backward (parameters excluded); "
@@ -581,7 +574,7 @@ def run_cuda(args: argparse.Namespace, configs: list[Config]) -> None:
     for cfg in configs:
         row = run_cuda_row(cfg, args, ref)
         rows.append(row)
-        print(f"  {cfg.label:<48} {row.status:<6} peak {fmt_bytes(row.peak):>10} step "
+        print(f"  {cfg.label:<48} {row.status:<6} peak {fmt_bytes(row.peak, 1):>10} step "
               f"{row.ms:8.2f} ms (compile {row.compile_s:.0f} s) {row.note}", flush=True)
     base = next(r for r in rows if r.cfg.key == "no_ac")
     if base.status != "ok":
@@ -595,7 +588,7 @@ def run_cuda(args: argparse.Namespace, configs: list[Config]) -> None:
             continue
         act = (r.peak - r.base) / max(base.peak - base.base, 1)
         grad = f"{r.grad_rel:.1e}" if r.grad_rel is not None else "-"
-        print(f"{r.cfg.label:<48} {fmt_bytes(r.peak):>10} {r.peak / base.peak:>9.3f} "
+        print(f"{r.cfg.label:<48} {fmt_bytes(r.peak, 1):>10} {r.peak / base.peak:>9.3f} "
               f"{act:>8.3f} {r.ms:>8.2f} {r.ms / base.ms:>9.3f} {grad:>9}")
     print("peak: max_memory_allocated in the step; act: the same above what was allocated "
           "before it (parameters, input); grad rel: max |grad diff| against eager no AC "
@@ -613,16 +606,16 @@ def target_line(rows: list[Row]) -> str:
                 "n/a (upstream SAC or our rows missing)")
     best = min(ups, key=lambda r: r.peak)
     hits = [r for r in ours if r.peak <= best.peak and r.ms <= 1.02 * sac.ms]
-    detail = (f"upstream's best peak {fmt_bytes(best.peak)} ({best.cfg.label}), upstream SAC "
+    detail = (f"upstream's best peak {fmt_bytes(best.peak, 1)} ({best.cfg.label}), upstream SAC "
               f"{sac.ms:.2f} ms")
     if hits:
         h = min(hits, key=lambda r: r.peak)
         return (f"peak memory <= upstream's best at <= +2% step time over upstream SAC: yes "
-                f"({h.cfg.label}: {fmt_bytes(h.peak)}, {h.ms / sac.ms:.3f}x upstream SAC; "
+                f"({h.cfg.label}: {fmt_bytes(h.peak, 1)}, {h.ms / sac.ms:.3f}x upstream SAC; "
                 f"{detail})")
     closest = min(ours, key=lambda r: r.peak)
     return (f"peak memory <= upstream's best at <= +2% step time over upstream SAC: no "
-            f"(lowest of ours: {closest.cfg.label} {fmt_bytes(closest.peak)}, "
+            f"(lowest of ours: {closest.cfg.label} {fmt_bytes(closest.peak, 1)}, "
             f"{closest.ms / sac.ms:.3f}x upstream SAC; {detail})")
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from .policy import op_name
 from .report import MemoryPeak, PartitionReport, SavedTensorRecord
+from .tensor_memory import param_storages, storage_key, storage_nbytes
 from .torch_internals import TorchDispatchMode, pytree
 
 __all__ = ["explain"]
@@ -120,25 +121,20 @@ class _RecomputeFlops(TorchDispatchMode):
         return out
 
 
-def _parameter_like(t: torch.Tensor, params: set[tuple[str, int]]) -> bool:
+def _parameter_like(t: torch.Tensor, params: set[int]) -> bool:
     """A parameter, a view of one, a tensor in ``params``' storages, or a graph input dynamo
     marked static (the parameters and buffers of inlined modules)."""
     if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or \
             getattr(t, "_dynamo_static_input_type", None) is not None:
         return True
-    return bool(params) and _storage_key(t) in params
+    return bool(params) and storage_key(t) in params
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def _param_storages(fn: Any) -> set[tuple[str, int]]:
+def _param_storages(fn: Any) -> set[int]:
+    """The storages of the parameters and buffers of ``fn``'s module (``fn`` itself, or the
+    module of a bound method)."""
     module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(module, nn.Module):
-        return set()
-    tensors = [*module.parameters(), *module.buffers()]
-    return {_storage_key(t) for t in tensors}
+    return param_storages(module) if isinstance(module, nn.Module) else set()
 
 
 class _OutsideBytes:
@@ -146,15 +142,14 @@ class _OutsideBytes:
     see only what autograd keeps outside every region (unique storages, parameters and
     buffers excluded). The tensor itself is packed: nothing changes."""
 
-    def __init__(self, params: set[tuple[str, int]]) -> None:
+    def __init__(self, params: set[int]) -> None:
         self.params = params
-        self.storages: dict[tuple[str, int], int] = {}
+        self.storages: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not _parameter_like(t, self.params):
-            key = _storage_key(t)
-            if key[1] != 0:
-                self.storages[key] = t.untyped_storage().nbytes()
+        # A storage at address 0 holds no memory (empty, meta or fake).
+        if not _parameter_like(t, self.params) and t.untyped_storage().data_ptr() != 0:
+            self.storages[storage_key(t)] = storage_nbytes(t)
         return t
 
     @staticmethod

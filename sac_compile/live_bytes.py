@@ -19,7 +19,7 @@ back to autograd, not activations): their bytes leave the whole history.
 The mode ignores compile internals (Dynamo compiles with it active); what a compiled
 function runs is seen only where it dispatches ATen ops (``aot_eager``), not Inductor's
 generated kernels, which allocate directly. Used by ``explain(mode="eager")`` and the
-report's harness (``_bench``); nothing here imports the rest of sac_compile.
+report's harness (``_bench``); it imports nothing of sac_compile but ``tensor_memory``.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from .torch_internals import TorchDispatchMode, pytree
+
+from .tensor_memory import storage_key
 
 __all__ = ["LiveBytes"]
 
@@ -49,7 +51,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._serials = itertools.count()
-        self._live: dict[int, int] = {}            # id(storage object) -> serial
+        self._live: dict[int, int] = {}            # storage_key -> serial
         self._sizes: dict[int, int] = {}           # serial -> bytes
         self._kinds: dict[int, str] = {}           # serial -> the phase (or kind) that made it
         self._phase = "forward"
@@ -61,19 +63,18 @@ class LiveBytes(TorchDispatchMode):
     # -- recording ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs))
+        inputs = {storage_key(t) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
         self._latest = []
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and _has_storage(t):
-                st = t.untyped_storage()
-                if id(st) not in inputs and id(st) not in self._live and st.nbytes():
-                    self._track(st)
+                st, key = t.untyped_storage(), storage_key(t)
+                if key not in inputs and key not in self._live and st.nbytes():
+                    self._track(st, key)
         return out
 
-    def _track(self, st: Any) -> None:
+    def _track(self, st: Any, key: int) -> None:
         serial = next(self._serials)
-        key = id(st)
         self._live[key] = serial
         self._sizes[serial] = st.nbytes()
         self._kinds[serial] = self._phase
@@ -100,7 +101,7 @@ class LiveBytes(TorchDispatchMode):
         """Never count the storages of these tensors (still alive now), past or future."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and _has_storage(t):
-                serial = self._live.get(id(t.untyped_storage()))
+                serial = self._live.get(storage_key(t))
                 if serial is not None:
                     self._excluded.add(serial)
 

@@ -30,12 +30,22 @@ from collections import Counter
 __all__ = ["PartitionReport", "SavedTensorRecord", "MemoryPeak", "fmt_bytes"]
 
 
-def fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float | None, digits: int | None = None) -> str:
+    """Bytes in binary units, for people: ``4096`` -> ``"4 KiB"``, ``1536`` -> ``"1.5 KiB"``
+    (one decimal where the value is not whole). ``digits``: that many decimals always, for
+    tables whose columns line up (``fmt_bytes(1536, 2)`` -> ``"1.50 KiB"``). Below 1 KiB the
+    count is whole bytes; ``None`` (not measured) is ``"n/a"``."""
+    if n is None:
+        return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+            if unit == "B":
+                return f"{n:.0f} B" if digits is None else f"{int(n)} B"
+            if digits is not None:
+                return f"{n:.{digits}f} {unit}"
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} B"  # pragma: no cover
+    raise AssertionError("unreachable: GiB takes every value left")  # pragma: no cover
 
 
 @dataclasses.dataclass(frozen=True)

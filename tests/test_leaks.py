@@ -19,8 +19,7 @@ from sac_compile import CheckpointPolicy as CP
 from sac_compile.compiler import make_backend
 
 aten = torch.ops.aten
-RUNTIME_TYPES = ("OpNode", "SavedHandle", "LeafRef", "OutRef", "RegionRecorder",
-                 "ReplayContext")
+RUNTIME_TYPES = ("OpNode", "NodeOutput", "LeafRef", "RegionRecorder", "ReplayContext")
 
 
 def _census() -> Counter:

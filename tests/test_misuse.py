@@ -317,8 +317,8 @@ def test_tag_and_name_outside_any_region_are_no_ops_under_compile():
 # 8 -------------------------------------------------------------------------------------
 def test_offload_policy_without_accelerator_is_a_plain_save_and_warns_once(monkeypatch):
     from sac_compile.runtime import collect_stats
-    from sac_compile.runtime import record
-    monkeypatch.setattr(record, "_WARNED_OFFLOAD_ON_CPU", False)
+    from sac_compile.runtime import store
+    monkeypatch.setattr(store, "_WARNED_OFFLOAD_ON_CPU", False)
     x, w = _xw()
     ref = _grads(lambda x, w: (x @ w).sin(), x, w)
 

@@ -168,6 +168,9 @@ def test_str_is_a_table():
 def test_fmt_bytes():
     assert [fmt_bytes(n) for n in (0, 1023, 4096, 1536, 16 << 20)] == \
         ["0 B", "1023 B", "4 KiB", "1.5 KiB", "16 MiB"]
+    # the report table's columns: fixed decimals; not measured is n/a
+    assert [fmt_bytes(n, 2) for n in (0, 1023, 4096, 1536, 16 << 20, None)] == \
+        ["0 B", "1023 B", "4.00 KiB", "1.50 KiB", "16.00 MiB", "n/a"]
 
 
 def test_explain_eager_and_compile_have_the_same_shape():

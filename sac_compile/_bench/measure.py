@@ -15,9 +15,10 @@
 * :func:`interleaved_medians`, :func:`paired` — step times of several strategies measured
   round-robin in one run; medians, and medians of per-round ratios or differences.
 
-Nothing here imports the rest of ``sac_compile``. Bytes are counted per unique storage (views of one
-storage count once) and exclude the storages of ``exclude`` (e.g. the model's parameters
-and buffers: weights are not activations).
+Of the rest of ``sac_compile`` this imports only ``tensor_memory`` and ``gradients``. Bytes are counted per
+unique storage (views of one storage count once, :func:`~sac_compile.tensor_memory.storage_key`)
+and exclude the storages of ``exclude`` (e.g. ``param_storages(model)``, the model's
+parameters and buffers: weights are not activations).
 """
 from __future__ import annotations
 
@@ -38,12 +39,14 @@ from ..torch_internals import (SAC_RECOMPUTE_MARKER, CachedTorchDispatchMode,
                                TorchDispatchMode, VersionWrapper, policy_from_bool, pytree,
                                sac_storage_key)
 
+from ..tensor_memory import param_storages, storage_key, storage_nbytes
+from .gradients import clear_grads, grads_of, loss_fn
+
 aten = torch.ops.aten
 
-__all__ = ["TORCH_SAVE_MATMUL_OPS", "storage_key", "storage_nbytes", "param_storages",
-           "SavedBytes", "TorchSAC", "torch_sac_blocks", "wrap_blocks", "wrapped_blocks",
-           "StepResult", "measure_noac", "measure_torch_sac", "count_aten_ops",
-           "interleaved_medians", "paired", "fmt_bytes"]
+__all__ = ["TORCH_SAVE_MATMUL_OPS", "SavedBytes", "TorchSAC", "torch_sac_blocks", "wrap_blocks",
+           "wrapped_blocks", "StepResult", "measure_noac", "measure_torch_sac", "count_aten_ops",
+           "interleaved_medians", "paired"]
 
 
 def _optional_ops(*names: str) -> list[Any]:
@@ -67,23 +70,6 @@ TORCH_SAVE_MATMUL_OPS: list[Any] = [
 # Bytes
 # --------------------------------------------------------------------------------------
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the memory behind ``t``: (device, storage data pointer)."""
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr())
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-def param_storages(module: nn.Module) -> set[tuple[str, int]]:
-    """Storage keys of a module's parameters and buffers."""
-    keys = {storage_key(p) for p in module.parameters()}
-    keys.update(storage_key(b) for b in module.buffers())
-    return keys
-
-
 class SavedBytes:
     """Unique storages of tensors packed by autograd while the context is active.
 
@@ -98,9 +84,9 @@ class SavedBytes:
     its own hooks inside.
     """
 
-    def __init__(self, exclude: Iterable[tuple[str, int]] = ()) -> None:
+    def __init__(self, exclude: Iterable[int] = ()) -> None:
         self.exclude = set(exclude)
-        self.storages: dict[tuple[str, int], int] = {}
+        self.storages: dict[int, int] = {}
         self.packed = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -116,7 +102,8 @@ class SavedBytes:
     def add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
             key = storage_key(t)
-            if key not in self.exclude and key[1] != 0:
+            # A storage at address 0 holds no memory (empty, meta or fake).
+            if key not in self.exclude and t.untyped_storage().data_ptr() != 0:
                 self.storages[key] = storage_nbytes(t)
 
     @property
@@ -216,7 +203,7 @@ class TorchSAC:
                                 isinstance(leaf.val, torch.Tensor):
                             yield leaf.val
 
-    def cached_bytes(self, exclude: Iterable[tuple[str, int]] = ()) -> int:
+    def cached_bytes(self, exclude: Iterable[int] = ()) -> int:
         meter = SavedBytes(exclude)
         for t in self.cached_tensors():
             meter.add(t)
@@ -301,7 +288,7 @@ class StepResult:
     storages; parameters and buffers excluded), inside and outside the checkpointed blocks.
     ``policy_bytes``: the part kept because the policy said save (upstream SAC: its cache;
     sac_compile: its runtime's ``saved_bytes``); ``None`` without checkpointing.
-    ``recomputed_ops``: ATen ops re-run in backward. ``grads``: see ``models.grads_of``.
+    ``recomputed_ops``: ATen ops re-run in backward. ``grads``: see ``gradients.grads_of``.
     """
 
     strategy: str
@@ -318,7 +305,6 @@ class StepResult:
 
 def _step(model: nn.Module, inputs: tuple, seed: int, loss: Callable[[Any], torch.Tensor],
           forward_ctx: Callable[[], Any]) -> tuple[Any, torch.Tensor]:
-    from .models import clear_grads
     clear_grads(model, inputs)
     torch.manual_seed(seed)
     with forward_ctx() as ctx:
@@ -329,7 +315,6 @@ def _step(model: nn.Module, inputs: tuple, seed: int, loss: Callable[[Any], torc
 def measure_noac(model: nn.Module, inputs: tuple, *, seed: int = 0,
                  loss: Callable[[Any], torch.Tensor] | None = None) -> StepResult:
     """No checkpointing: bytes are what autograd packs (a :class:`SavedBytes` pair)."""
-    from .models import clear_grads, grads_of, loss_fn
     exclude = param_storages(model)
     meter, out = _step(model, inputs, seed, loss or loss_fn, lambda: SavedBytes(exclude))
     out.backward()
@@ -347,7 +332,6 @@ def measure_torch_sac(model: nn.Module, inputs: tuple, policy: Any = TORCH_SAVE_
     what autograd packs outside the checkpointed functions, the checkpoints' saved inputs
     included. Recomputed ops: cache misses of its recompute-side dispatch mode.
     """
-    from .models import clear_grads, grads_of, loss_fn
     exclude = param_storages(model)
     sac = TorchSAC(policy)
 
@@ -439,12 +423,3 @@ def paired(timings: dict[str, Timing], a: str, b: str,
     :func:`interleaved_medians` (default: the ratio a/b). Pairing by round cancels slow
     drifts of the machine's load, which medians of each strategy alone do not."""
     return statistics.median(op(x, y) for x, y in zip(timings[a].samples, timings[b].samples))
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

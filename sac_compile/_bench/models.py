@@ -4,8 +4,8 @@
 
 * ``model.blocks`` is an ``nn.ModuleList`` of the checkpointable units; callers wrap those
   into regions (this module imports nothing of ``sac_compile``).
-* ``model(*inputs)`` returns a tensor; ``model(*inputs).sum()`` (or :func:`loss_fn`) is the
-  loss. Every model ends in a small, randomly initialised ``head`` Linear so that the sum is
+* ``model(*inputs)`` returns a tensor; ``model(*inputs).sum()`` (or ``gradients.loss_fn``) is
+  the loss. Every model ends in a small, randomly initialised ``head`` Linear so that the sum is
   not a constant of the last LayerNorm and input gradients are not identically zero.
 * Initialisation and inputs are a function of ``seed`` alone (the global RNG is left as it
   was); the model is built on the CPU and moved to ``device``, so values do not depend on it.
@@ -22,29 +22,22 @@ Models (``MODEL_NAMES``):
           ``topk``, dispatch with ``index_select``, combine with ``index_add_`` into a gate
           matrix built by ``scatter``; residual. All shapes are static (no ``nonzero``).
 
-Hugging Face causal language models (``HF_MODEL_NAMES``, ``make_hf_model``; needs
-``transformers``, the ``integrations`` extra): GPT-2, Llama with grouped-query attention and
-Mixtral, built from small configs (nothing is downloaded) with ``use_cache=False``, as
-``tests/test_hf_models.py`` builds them. :class:`HFCausalLM` adapts any such model (one a
-user's factory returns, too) to the protocol above: ``.blocks`` are its decoder layers and
-``forward(input_ids)`` returns HF's own loss with ``labels=input_ids``.
+Hugging Face models under the same protocol are in ``hf_models.py``; the gradients the
+tests and the report compare, in ``gradients.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MODEL_NAMES", "SIZES", "make_model", "HF_MODEL_NAMES", "HF_SIZES", "HFCausalLM",
-           "is_hf_model", "make_hf_model", "loss_fn", "reference_grads", "grads_of",
-           "clear_grads", "max_grad_diff", "MLP", "MLPBlock", "GPT", "GPTBlock", "ConvNet", "ConvBNBlock",
-           "MoE", "MoEBlock"]
+__all__ = ["MODEL_NAMES", "SIZES", "make_model", "MLP", "MLPBlock", "GPT", "GPTBlock", "ConvNet",
+           "ConvBNBlock", "MoE", "MoEBlock"]
 
 MODEL_NAMES: tuple[str, ...] = ("mlp", "gpt", "conv", "moe")
 
@@ -296,173 +289,3 @@ def make_model(name: str, *, size: str = "test", seed: int = 0,
     model.fixture_size = size
     x = x.to(device).requires_grad_(True)
     return model, (x,)
-
-
-# --------------------------------------------------------------------------------------
-# Hugging Face causal language models
-# --------------------------------------------------------------------------------------
-
-HF_MODEL_NAMES: tuple[str, ...] = ("gpt2", "llama", "mixtral")
-
-#: size -> (config overrides, input_ids shape) shared by the HF models.
-HF_SIZES: dict[str, tuple[dict, tuple[int, int]]] = {
-    # As tests/test_hf_models.py: 2 layers, width 32, vocabulary 64, 2 x 16 tokens.
-    "test": (dict(layers=2, width=32, heads=4, kv_heads=2, ffn=64, vocab=64, positions=32),
-             (2, 16)),
-    "bench": (dict(layers=4, width=256, heads=8, kv_heads=4, ffn=688, vocab=4096,
-                   positions=256), (4, 128)),
-}
-
-
-def _hf_config(transformers: Any, name: str, c: dict) -> Any:
-    common = dict(vocab_size=c["vocab"], use_cache=False, bos_token_id=0, eos_token_id=0)
-    if name == "gpt2":
-        return transformers.GPT2Config(n_layer=c["layers"], n_embd=c["width"], n_head=c["heads"],
-                                       n_positions=c["positions"], **common)
-    kwargs = dict(num_hidden_layers=c["layers"], hidden_size=c["width"],
-                  intermediate_size=c["ffn"], num_attention_heads=c["heads"],
-                  num_key_value_heads=c["kv_heads"], max_position_embeddings=c["positions"],
-                  attn_implementation="sdpa", **common)
-    if name == "llama":
-        return transformers.LlamaConfig(**kwargs)
-    return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kwargs)
-
-
-def is_hf_model(model: Any) -> bool:
-    """A ``transformers`` model (a ``PreTrainedModel``), without importing transformers."""
-    return isinstance(model, nn.Module) and any(
-        c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-        for c in type(model).__mro__)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The model's decoder layers: the ``ModuleList`` of the classes HF names in
-    ``_no_split_modules`` (what accelerate and FSDP wrap one by one), else the first
-    ``ModuleList`` named ``layers`` or ``h``."""
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    fallback = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if layer_classes and all(type(m).__name__ in layer_classes for m in module):
-            return module
-        if fallback is None and name.rsplit(".", 1)[-1] in ("layers", "h"):
-            fallback = module
-    return fallback
-
-
-class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM as the report measures models: ``.blocks`` are its decoder
-    layers (each becomes one region), ``forward(input_ids)`` is HF's loss on
-    ``labels=input_ids`` (its own shifted cross-entropy, outside every region)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        layers = decoder_layers(model)
-        if layers is None:
-            raise ValueError(f"{type(model).__name__}: no decoder layers found (no ModuleList of "
-                             f"its _no_split_modules {getattr(model, '_no_split_modules', None)}"
-                             f", none named 'layers' or 'h'); return a model with a `.blocks` "
-                             f"list and forward(*inputs) -> loss instead")
-        if getattr(model, "loss_type", "") is None:
-            # GPT-2 has none: HF warns that it defaults to this one, and under compile the
-            # warning is a graph break each time Dynamo traces the loss.
-            model.loss_type = "ForCausalLM"
-        self.model = model
-        self.blocks = layers
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        out = self.model(input_ids=input_ids, labels=input_ids, **kwargs)
-        if getattr(out, "loss", None) is None:
-            raise ValueError(f"{type(self.model).__name__}(input_ids=..., labels=...) returned no "
-                             f"loss; the report takes a causal language model (...ForCausalLM)")
-        return out.loss
-
-
-def make_hf_model(name: str, *, size: str = "test", seed: int = 0,
-                  device: str | torch.device = "cpu") -> tuple[nn.Module, tuple[Tensor, ...]]:
-    """HF model ``name`` (``HF_MODEL_NAMES``) from a small config, in training mode, as an
-    :class:`HFCausalLM`, and its ``input_ids``. Weights and tokens are a function of
-    ``seed`` alone (the global RNG is left as it was). Raises ``ImportError`` without
-    ``transformers``."""
-    import transformers
-    if name not in HF_MODEL_NAMES:
-        raise ValueError(f"unknown Hugging Face model {name!r}; expected one of "
-                         f"{list(HF_MODEL_NAMES)}")
-    if size not in HF_SIZES:
-        raise ValueError(f"unknown size {size!r} for hf:{name}; expected one of {list(HF_SIZES)}")
-    overrides, shape = HF_SIZES[size]
-    cfg = _hf_config(transformers, name, overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        ids = torch.randint(0, overrides["vocab"], shape)
-    wrapped = HFCausalLM(model.to(device).train())
-    wrapped.fixture_name = f"hf:{name}"
-    wrapped.fixture_size = size
-    return wrapped, (ids.to(device),)
-
-
-# --------------------------------------------------------------------------------------
-# Reference gradients
-# --------------------------------------------------------------------------------------
-
-def loss_fn(out: Tensor) -> Tensor:
-    """The fixtures' loss: the sum of the output (the model's head makes it non-trivial)."""
-    return out.sum()
-
-
-def grads_of(model: nn.Module, inputs: tuple[Tensor, ...]) -> dict[str, Tensor]:
-    """Detached copies of the current ``.grad`` of parameters (``"param:<name>"``) and of
-    inputs that require grad (``"input:<i>"``); missing grads are left out."""
-    out: dict[str, Tensor] = {}
-    for pname, p in model.named_parameters():
-        if p.grad is not None:
-            out[f"param:{pname}"] = p.grad.detach().clone()
-    for i, t in enumerate(inputs):
-        if isinstance(t, Tensor) and t.requires_grad and t.grad is not None:
-            out[f"input:{i}"] = t.grad.detach().clone()
-    return out
-
-
-def clear_grads(model: nn.Module, inputs: tuple[Tensor, ...]) -> None:
-    """Set ``.grad`` of the model's parameters and of the inputs that require grad to None."""
-    for p in model.parameters():
-        p.grad = None
-    for t in inputs:
-        if isinstance(t, Tensor) and t.requires_grad:
-            t.grad = None
-
-
-def reference_grads(model: nn.Module, inputs: tuple[Tensor, ...], seed: int = 0, *,
-                    loss: Callable[[Tensor], Tensor] = loss_fn,
-                    forward: Callable[..., Tensor] | None = None) -> dict[str, Tensor]:
-    """One forward+backward without checkpointing, from ``torch.manual_seed(seed)``.
-
-    Returns the parameter and input gradients (see :func:`grads_of`). ``.grad`` of the model
-    and the inputs is cleared before and after, so calls do not accumulate. Like any training
-    step it updates BatchNorm running stats; pass a ``copy.deepcopy`` of the model if the
-    buffers matter. ``forward`` (default ``model``) lets a caller run a wrapped forward with
-    the same bookkeeping, e.g. ``reference_grads(m, x, 0, forward=checkpointed_forward)``.
-    """
-    fwd = model if forward is None else forward
-    clear_grads(model, inputs)
-    torch.manual_seed(seed)
-    loss(fwd(*inputs)).backward()
-    grads = grads_of(model, inputs)
-    clear_grads(model, inputs)
-    return grads
-
-
-def max_grad_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
-    """Largest absolute difference over the gradients of two :func:`grads_of` dicts.
-
-    A key present in only one of them is an error (a gradient that went missing)."""
-    if a.keys() != b.keys():
-        raise KeyError(f"gradient sets differ: only in first {sorted(a.keys() - b.keys())}, "
-                       f"only in second {sorted(b.keys() - a.keys())}")
-    worst = 0.0
-    for key in a:
-        worst = max(worst, (a[key].float() - b[key].float()).abs().max().item())
-    return worst

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .measure import fmt_bytes
+from ..report import fmt_bytes
 
 __all__ = ["PartitionFigures", "upstream_backend", "OnPartition"]
 
@@ -117,7 +117,7 @@ class OnPartition:
     def __call__(self, report: Any) -> None:
         self.figures.add_report(report)
         if self.progress is not None:
-            self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes)} in "
+            self.progress.say(f"  partitioned: saves {fmt_bytes(report.saved_bytes, 2)} in "
                               f"{len(report.saved)} values, recomputes {len(report.recomputed)}"
                               f" ops in backward")
 

@@ -40,7 +40,7 @@ How each figure is obtained:
   ``torch.utils.flop_counter`` rules.
 * time: ``_bench.measure.interleaved_medians`` (round-robin, rotating order) and
   ``paired`` ratios to no AC, one run.
-* grad diff: ``_bench.models.max_grad_diff`` against no AC from the same seed. Compiled
+* grad diff: ``_bench.gradients.max_grad_diff`` against no AC from the same seed. Compiled
   strategies run with ``torch._inductor.config.fallback_random = True`` so that dropout draws
   the same masks as eager mode.
 """
@@ -60,11 +60,12 @@ import torch.nn as nn
 
 from ..policies import relaxed
 from ..policy import CheckpointError
+from ..report import fmt_bytes
+from ..tensor_memory import param_storages
 from ..torch_internals import dynamo_reset
-from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, fmt_bytes, interleaved_medians,
-                      measure_noac, measure_torch_sac, paired, param_storages, wrap_blocks,
-                      wrapped_blocks)
-from .models import clear_grads, grads_of, max_grad_diff
+from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, interleaved_medians, measure_noac,
+                      measure_torch_sac, paired, wrap_blocks, wrapped_blocks)
+from .gradients import clear_grads, grads_of, max_grad_diff
 from .partition_figures import OnPartition, PartitionFigures, upstream_backend
 from .strategies import (as_blocked_model, copy_model, full_ac, loss_of, measure_ours,
                          ours, torch_sac)
@@ -177,7 +178,7 @@ class _Runner:
         budget = cfg.budget
         self.rows["ours_budget"].label = (
             (f"ours compiled, budget {budget:g}" if isinstance(budget, float)
-             else f"ours compiled, budget {fmt_bytes(budget)}") + f" ({cfg.policy_label}, "
+             else f"ours compiled, budget {fmt_bytes(budget, 2)}") + f" ({cfg.policy_label}, "
             f"MUSTs relaxed)")
         self.rows["ours_eager_budget"].label = self.rows["ours_budget"].label.replace(
             "ours compiled", "ours eager")
@@ -220,12 +221,6 @@ class _Runner:
         with FlopCounterMode(display=False) as fc:
             step()
         return int(fc.get_total_flops())
-
-    def _grads_after(self, step: Callable[[], Any], model: nn.Module) -> dict[str, torch.Tensor]:
-        step()
-        grads = grads_of(model, self.inputs)
-        clear_grads(model, self.inputs)
-        return grads
 
     # -- eager -------------------------------------------------------------------------------
     def eager(self, key: str) -> None:
@@ -318,7 +313,7 @@ class _Runner:
         row.step = step
         self.progress.say(f"compiled {row.label} in {row.compile_s:.1f} s: "
                           f"{len(figures.splits)} forward/backward split(s), keeps "
-                          f"{fmt_bytes(row.kept_bytes)}, recomputes {row.recomputed_ops} ops")
+                          f"{fmt_bytes(row.kept_bytes, 2)}, recomputes {row.recomputed_ops} ops")
 
     def _on_partition(self, figures: PartitionFigures) -> Callable[[Any], None]:
         return OnPartition(figures, self.progress)

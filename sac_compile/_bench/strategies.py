@@ -19,10 +19,10 @@ import torch.utils.checkpoint as tuc
 
 from .. import runtime
 from ..regions import sac_region
+from ..tensor_memory import param_storages
 from ..torch_internals import pytree
-from .measure import (TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, param_storages,
-                      wrapped_blocks)
-from .models import clear_grads, grads_of, loss_fn
+from .measure import TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, wrapped_blocks
+from .gradients import clear_grads, grads_of, loss_fn
 
 __all__ = ["UnusableModel", "as_blocked_model", "copy_model", "loss_of", "full_ac", "torch_sac",
            "ours", "ours_blocks", "measure_ours"]

@@ -20,7 +20,7 @@ __all__ = ["UsageError", "build_parser", "parse_budget", "resolve_policy", "chec
            "load_target", "FIXTURES", "HF_MODELS"]
 
 FIXTURES = ("mlp", "gpt", "conv", "moe")
-#: ``--model hf:NAME``: Hugging Face models from small configs (``_bench.models``).
+#: ``--model hf:NAME``: Hugging Face models from small configs (``_bench.hf_models``).
 HF_MODELS = ("gpt2", "llama", "mixtral")
 HF_INSTALL = "pip install 'sac_compile[integrations]'"
 DEFAULT_MODEL = "mlp"
@@ -257,8 +257,8 @@ def _import_transformers(what: str) -> Any:
 
 
 def _load_hf(spec: str, *, size: str | None, seed: int, device: str, flag: str) -> Target:
-    """``hf:NAME``: a Hugging Face model from a small config (``_bench.models``)."""
-    from .._bench.models import HF_SIZES, make_hf_model
+    """``hf:NAME``: a Hugging Face model from a small config (``_bench.hf_models``)."""
+    from .._bench.hf_models import HF_SIZES, make_hf_model
     from .._bench.runner import Target
     name = spec[len("hf:"):]
     if name not in HF_MODELS:
@@ -275,8 +275,8 @@ def _load_hf(spec: str, *, size: str | None, seed: int, device: str, flag: str) 
 
 def _adapt_hf(spec: str, model: Any, flag: str) -> Any:
     """A user's HF model (a ``PreTrainedModel``): its decoder layers as ``.blocks``, HF's
-    loss on ``labels=input_ids`` as the output (``_bench.models.HFCausalLM``)."""
-    from .._bench.models import HFCausalLM, is_hf_model
+    loss on ``labels=input_ids`` as the output (``_bench.hf_models.HFCausalLM``)."""
+    from .._bench.hf_models import HFCausalLM, is_hf_model
     if not is_hf_model(model):
         return model
     try:

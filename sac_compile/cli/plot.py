@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 
-__all__ = ["write_plot", "plot_from_json"]
+__all__ = ["write_plot"]
 
 _COLORS = {"no_ac": "#444444", "full_ac": "#8c564b", "torch_sac_eager": "#1f77b4",
            "torch_sac_compiled": "#17becf", "ours_eager": "#d62728",
@@ -106,12 +106,3 @@ def _place_labels(fig: Any, ax: Any, points: list[tuple[str, float, float]],
             if cost == 0:
                 break
         placed.append(best[2])
-
-
-def plot_from_json(json_path: str, png_path: str) -> bool:
-    """Redraw ``report.png`` from a ``report.json``."""
-    import json
-    from types import SimpleNamespace
-    with open(json_path) as f:
-        doc = json.load(f)
-    return write_plot(png_path, [SimpleNamespace(**r) for r in doc["strategies"]], doc["meta"])

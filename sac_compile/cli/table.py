@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from .._bench.measure import fmt_bytes
 from .._bench.runner import GRAD_RTOL, ReportConfig, Row
 from .._bench.strategies import as_blocked_model
+from ..report import fmt_bytes
 from ..torch_internals import TORCH_VERSION
 
 __all__ = ["format_table", "machine_label", "meta", "write_json"]
@@ -36,7 +36,7 @@ def format_table(rows: list[Row], device: str) -> str:
             body.append([r.label, "-", "-", "-", "-", "-", f"{r.status}: {r.note}"])
             continue
         body.append([
-            r.label, fmt_bytes(r.kept_bytes), fmt_bytes(r.peak_bytes),
+            r.label, fmt_bytes(r.kept_bytes, 2), fmt_bytes(r.peak_bytes, 2),
             _fmt_flops(r.recompute_flops),
             "-" if r.recomputed_ops is None else str(r.recomputed_ops),
             f"{r.time_ratio:.2f}x" if r.time_ratio is not None else "-",

@@ -53,6 +53,7 @@ from ..cut.costs import is_view
 from ..torch_internals import OpOverload
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import Role, node_role
+from ..tensor_memory import is_view_op
 from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
@@ -63,7 +64,6 @@ __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
 #: The region name of torch's own ``checkpoint(..., context_fn=...)`` regions.
 TORCH_REGION = "checkpoint"
 
-aten = torch.ops.aten
 PassResult = tuple[fx.GraphModule, int]  # the graph, and how many nodes the pass changed
 
 
@@ -246,11 +246,7 @@ def _decided_as_view(node: fx.Node) -> bool:
     op = graph_meta.op(node)
     if op is None:  # torch's own tags (pass 1) are per op: the node is the op decided
         return (decision_of(node).region or TORCH_REGION) == TORCH_REGION
-    return op is node.target or (isinstance(op, OpOverload) and _is_view_op(op))
-
-
-def _is_view_op(op: OpOverload) -> bool:
-    return bool(op.is_view) or op in (aten.detach.default, aten.alias.default)
+    return op is node.target or is_view_op(op)
 
 
 def _storage_base(node: fx.Node) -> fx.Node:

@@ -49,9 +49,10 @@ __all__ = ["SACPartitioner"]
 # Every module of the compiler and cut packages (the flow network, its costs, the budget
 # search: a change there changes the split), and the core modules it decides with.
 # (policies: a policy that reads our presets' data, MATMUL_OPS say, is keyed by the module's
-# name; effects: the ops the cut never recomputes; budgets: what a budget value means.)
+# name; effects: the ops the cut never recomputes; budgets: what a budget value means;
+# tensor_memory: which ops are views, which the cut never saves on their own.)
 _HASHED_CORE = ("policy", "policies", "op_names", "markers", "op_costs", "effects", "errors",
-                "budgets", "graph_meta", "torch_internals")
+                "budgets", "graph_meta", "torch_internals", "tensor_memory")
 
 
 def _code_hash() -> str:

@@ -95,10 +95,10 @@ EXACT_TIME_LIMIT = 20.0   # seconds per split; past it, HiGHS's best cut if it b
 FILL_TRIES = 24           # larger splits: values put back into the budget's slack, one by one
 
 
-def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None = None, *,
-                      exact: bool = True) -> BudgetResult:
+def solve_with_budget(net: FlowNetwork, budget: float | int,
+                      solver: str | None = None) -> BudgetResult:
     """The cheapest cut whose device activation bytes fit ``budget`` (see the module
-    docstring): the Lagrangian search, then the exact program (``exact``, splits up to
+    docstring): the Lagrangian search, then the exact program (splits up to
     :data:`EXACT_MAX_NODES` nodes) or, above that, the budget's slack filled greedily.
     :class:`~sac_compile.CheckpointError` when no cut fits."""
     from .exact import ExactProblem, objective
@@ -152,12 +152,12 @@ def solve_with_budget(net: FlowNetwork, budget: float | int, solver: str | None 
         else:
             hi, over = mid, cut
     lagrangian = best.cost
-    if exact and len(net.cls.nodes) <= EXACT_MAX_NODES:
+    if len(net.cls.nodes) <= EXACT_MAX_NODES:
         refined = _exact_cut(net, problem, cap, best)
         if refined is not None:
             solves += 1
             return result(refined[0], low.nbytes, refined[1], lagrangian)
-    best, tries = _fill_slack(net, problem, objective, cap, best, over, at)
+    best, tries = _fill_slack(net, cap, best, over, at)
     method = f"Lagrangian search, slack filled ({tries} tries)" if tries else \
         "Lagrangian search"
     return result(best, low.nbytes, method, lagrangian)
@@ -206,8 +206,8 @@ def _exact_cut(net: FlowNetwork, problem: Any, cap: float, best: Cut) -> tuple[C
     return cut, how
 
 
-def _fill_slack(net: FlowNetwork, problem: Any, objective: Any, cap: float, best: Cut,
-                over: Cut, at: Any) -> tuple[Cut, int]:
+def _fill_slack(net: FlowNetwork, cap: float, best: Cut, over: Cut,
+                at: Any) -> tuple[Cut, int]:
     """Put values back into the budget's slack: each value the next cut over the budget
     keeps and ``best`` does not, most expensive to recompute first, forced kept at
     ``best``'s weight while the bytes still fit and the cost drops."""

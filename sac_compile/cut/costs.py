@@ -19,6 +19,7 @@ from .. import graph_meta
 from ..op_costs import hint as _hint
 from ..op_costs import op_flops
 from ..torch_internals import HigherOrderOperator, OpOverload, TorchAPIMissing, pytree
+from ..tensor_memory import is_view_op
 
 __all__ = ["nbytes", "flops", "traffic", "is_view", "is_random", "rng_state_bytes", "is_sym", "is_opaque",
            "op_label"]
@@ -96,12 +97,8 @@ def traffic(node: fx.Node) -> int:
 
 
 def is_view(node: fx.Node) -> bool:
-    target = node.target
-    if not isinstance(target, OpOverload):
-        return False
-    if target is torch.ops.aten.detach.default or target is torch.ops.aten.alias.default:
-        return True
-    return bool(target.is_view)
+    """The node's op returns a view of an input (:func:`~sac_compile.tensor_memory.is_view_op`)."""
+    return is_view_op(node.target)
 
 
 def is_random(node: fx.Node) -> bool:

@@ -8,7 +8,7 @@ How it fits together:
   references to the producing node, or by a ``LeafRef`` for tensors from outside the
   region) and its decision. Saved nodes hold their outputs; the others hold nothing.
 * Autograd's saved tensors go through ``saved_tensors_hooks``: a tensor produced in the
-  region is packed as a ``SavedHandle`` (node, output index) instead of the tensor.
+  region is packed as a ``NodeOutput`` (node, output index) instead of the tensor.
 * Unpacking a handle materialises its node: saved values are returned, missing ones are
   recomputed iteratively from their inputs, and each recomputed node drops its inputs, so
   a value lives exactly as long as some handle still needs it (Python refcounting does

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
-from .graph import LeafRef, OpNode, OutRef, SavedHandle, map_refs
+from .graph import LeafRef, NodeOutput, OpNode, map_refs
 
 __all__ = ["RegionGraph", "region_network"]
 
@@ -46,11 +46,7 @@ class RegionGraph:
     stand_ins: dict[fx.Node, fx.Node]           # values kept off the device (offload)
 
 
-class _Holder(torch.nn.Module):
-    pass
-
-
-def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
+def region_network(nodes: Sequence[OpNode], handles: Sequence[NodeOutput],
                    packed_bytes: dict[tuple[int, int], int]) -> RegionGraph:
     """The flow network of one recorded region call. ``packed_bytes``: the packed size of
     outputs saved with ``SaveWithHooks``, by ``(id(node), output index)``."""
@@ -77,7 +73,7 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[SavedHandle],
                 static.add(ph)
         return ph
 
-    def out(ref: OutRef) -> fx.Node:
+    def out(ref: NodeOutput) -> fx.Node:
         return outs[(id(ref.node), ref.index)]
 
     for node in nodes:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..policy import CheckpointError
+from ..tensor_memory import storage_nbytes
 from ..torch_internals import pytree
 from .budget_graph import Plan, RegionGraph, plan_of_cut, region_network
 
@@ -22,7 +23,6 @@ __all__ = ["solve_region", "packed_sizes", "evicted_values"]
 def packed_sizes(nodes: list[Any]) -> dict[tuple[int, int], int]:
     """The packed bytes of outputs saved with ``SaveWithHooks``: ``pack`` run once on a meta
     copy of each (no data); hooks that cannot run on meta count the value's own bytes."""
-    from .graph import nbytes
     sizes: dict[tuple[int, int], int] = {}
     for node in nodes:
         dec = node.decision
@@ -38,7 +38,7 @@ def packed_sizes(nodes: list[Any]) -> dict[tuple[int, int], int]:
                 sizes[(id(node), i)] = sum(x.numel() * x.element_size() for x in leaves
                                            if isinstance(x, torch.Tensor))
             except Exception:
-                sizes[(id(node), i)] = nbytes(t)
+                sizes[(id(node), i)] = storage_nbytes(t)
     return sizes
 
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from ..budgets import RegionBudget
-from ..policy import CheckpointError, CheckpointPolicy, Decision, op_name
+from ..policy import CheckpointPolicy, Decision, op_name
+from ..tensor_memory import storage_key, storage_nbytes
 from .budget_graph import Plan
-from .graph import OpNode, nbytes, storage_key
+from .graph import OpNode
 from .stats import SavedValueRecord
 
 __all__ = ["BudgetRun", "Plan", "BudgetDecision"]
@@ -61,7 +60,6 @@ class BudgetRun:
         with budget.lock:
             self.candidates: list[Plan] = list(budget.plans.values())
         self.held: list[Any] = []
-        self.solved = False
 
     def on_op(self, node: OpNode, out: Any) -> None:
         """After op ``node`` ran (its decision made): keep its outputs alive if a plan that
@@ -84,7 +82,6 @@ class BudgetRun:
                 return p
         from .budget_plan import solve_region
         plan = solve_region(self, recorder, signature)
-        self.solved = True
         if plan.final:
             with self.budget.lock:
                 self.budget.plans[signature] = plan
@@ -127,7 +124,7 @@ class BudgetRun:
                     key = storage_key(t)
                     records.append(SavedValueRecord(
                         f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
-                        0 if key in seen else nbytes(t), node.decision.reason(), node.region,
+                        0 if key in seen else storage_nbytes(t), node.decision.reason(), node.region,
                         "budget", node.decision.is_must and node.decision.hooks is None))
                     seen.add(key)
             node.kept, node.kept_versions = kept, versions
@@ -155,7 +152,3 @@ def _changed(dec: Decision, policy: CheckpointPolicy, why: str) -> BudgetDecisio
                           dec.region, "budget", original=original,
                           label_text=f"{why}; the policy said {original.label}")
 
-
-def held_outputs(out: Any) -> Any:
-    """What to hold of an op's result (the result itself: a tensor or a tuple of them)."""
-    return out if isinstance(out, (torch.Tensor, tuple, list)) else None

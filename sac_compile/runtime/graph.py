@@ -1,8 +1,9 @@
 """The recorded graph of a region: ops, their arguments as references, and handles.
 
-An ``OpNode`` is one ATen op of a region. Its arguments hold ``OutRef``s (an output of an
-earlier node) or ``LeafRef``s (a tensor from outside the recorded ops) where the forward
-had tensors. Autograd stores a ``SavedHandle`` instead of a tensor produced in the region.
+An ``OpNode`` is one ATen op of a region. Its arguments hold ``NodeOutput``s (an output of
+an earlier node) or ``LeafRef``s (a tensor from outside the recorded ops) where the forward
+had tensors. Autograd stores a ``NodeOutput`` too, instead of a tensor produced in the
+region.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from ..policy import Decision, Opinion, op_name
 from ..effects import effect_reason, is_process_group_collective
+from ..tensor_memory import is_view_op
 from ..torch_internals import OpOverload
 from .stats import EagerStats
 
@@ -71,8 +73,7 @@ class OpInfo:
         self.process_group = is_process_group_collective(op)
         # A view op (an output aliasing an input, not written): autograd gives its output
         # the base's version counter only after the dispatch mode returns.
-        self.is_view = schema is not None and any(
-            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        self.is_view = is_view_op(op)
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -136,8 +137,10 @@ class ForeignSaved:
         self.region = region
 
 
-class OutRef:
-    """Output ``index`` of ``node``, as an argument of a later op."""
+class NodeOutput:
+    """Output ``index`` of ``node``: where a later op of the region read it (an argument),
+    and what autograd stores instead of it (the saved-tensor hooks' handle; unpacking it
+    returns the saved value or recomputes it)."""
 
     __slots__ = ("node", "index")
 
@@ -192,16 +195,6 @@ class OpNode:
         return f"{op_name(self.op)} (op #{self.seq} of region {self.region!r})"
 
 
-class SavedHandle:
-    """What autograd stores instead of a tensor produced inside a region."""
-
-    __slots__ = ("node", "index")
-
-    def __init__(self, node: OpNode, index: int) -> None:
-        self.node = node
-        self.index = index
-
-
 def needs_detach(t: torch.Tensor) -> bool:
     # Integer/bool tensors that are not views are kept as the very same object; float
     # tensors as detached aliases, so saving them makes no autograd cycle.
@@ -210,21 +203,6 @@ def needs_detach(t: torch.Tensor) -> bool:
 
 def alias_for_saving(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if needs_detach(t) else t
-
-
-def nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return t.numel() * t.element_size()
-
-
-def storage_key(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return id(t)
-
 
 
 def arg_at(args: tuple, kwargs: dict, func: Any, i: int) -> Any:
@@ -245,18 +223,30 @@ def flat_outputs(out: Any) -> list[Any]:
 
 
 def map_refs(a: Any, out_value: Any, leaf_value: Any = None) -> Any:
-    """``a`` (an argument as recorded) with each ``OutRef`` replaced by ``out_value(ref)``
+    """``a`` (an argument as recorded) with each ``NodeOutput`` replaced by ``out_value(ref)``
     and each ``LeafRef`` by ``leaf_value(ref)`` (default: its tensor); lists and tuples of
     them likewise."""
     t = type(a)
-    if t is OutRef:
+    if t is NodeOutput:
         return out_value(a)
     if t is LeafRef:
         return a.value if leaf_value is None else leaf_value(a)
-    if (t is list or t is tuple) and a and any(type(x) in (OutRef, LeafRef) for x in a):
+    if (t is list or t is tuple) and a and any(type(x) in (NodeOutput, LeafRef) for x in a):
         vals = [map_refs(x, out_value, leaf_value) for x in a]
         return vals if t is list else tuple(vals)
     return a
+
+
+def _forward_value(ref: NodeOutput) -> Any:
+    facts = ref.node.outs[ref.index]
+    return facts[0]() if facts is not None else None
+
+
+def forward_args(node: OpNode) -> tuple[tuple, dict]:
+    """The op's arguments as the forward saw them (for asking policies again)."""
+    args = tuple([map_refs(a, _forward_value) for a in node.args])
+    kwargs = {k: map_refs(v, _forward_value) for k, v in node.kwargs.items()} if node.kwargs else {}
+    return args, kwargs
 
 
 def mutated_tensors(args: tuple, kwargs: dict, func: Any, info: OpInfo) -> list[torch.Tensor]:

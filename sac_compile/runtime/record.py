@@ -1,7 +1,6 @@
 """Forward: record a region's ops, decide each one, and hand autograd handles."""
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -11,13 +10,15 @@ import torch
 from ..inert_policies import DecidedOp, warn_inert_policies
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
                       make_decider, op_name)
-from ..effects import KeptDecision, kept_decision
+from ..effects import kept_decision
+from ..tensor_memory import storage_key
 from ..torch_internals import (ForceDispatchKeyGuard, TorchDispatchMode,
                                dispatch_tls_local_exclude_set, dispatch_tls_local_include_set)
-from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, ReplayContext,
-                    SavedHandle, flat_outputs, map_refs, mutated_tensors, nbytes,
-                    needs_detach, op_info, storage_key)
+from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, ReplayContext,
+                    flat_outputs, forward_args, mutated_tensors, needs_detach, op_info)
 from .stats import SavedValueRecord, active_stats
+from .store import capture_rng, needed_nodes, saved_records, store_saved
+
 
 class RegionRecorder(TorchDispatchMode):
     """Records the ops of one outermost region (nested regions push frames onto it)."""
@@ -34,7 +35,7 @@ class RegionRecorder(TorchDispatchMode):
         # in-place op. Built at the region's first mutation: most regions never mutate.
         self.leaves_by_storage: dict[int, list[LeafRef]] | None = None
         self.saved_by_storage: dict[int, list[OpNode]] | None = None
-        self.handles: list[SavedHandle] = []
+        self.handles: list[NodeOutput] = []
         # Nested regions created with allow_cache_entry_mutation=True (by id of frame).
         self.allowing_frames: set[int] = set()
         self.nodes_recorded = 0
@@ -108,7 +109,7 @@ class RegionRecorder(TorchDispatchMode):
         if found is None:
             return self.leaf(t)
         deps.append(found[0])
-        return OutRef(found[0], found[1])
+        return NodeOutput(found[0], found[1])
 
     def _convert(self, a: Any, deps: list[OpNode]) -> Any:
         if isinstance(a, torch.Tensor):
@@ -141,7 +142,7 @@ class RegionRecorder(TorchDispatchMode):
                 entry = producers.get(id(a))
                 if entry is not None and entry[0]() is a and a._version == entry[3]:
                     deps.append(entry[1])
-                    rec.append(OutRef(entry[1], entry[2]))
+                    rec.append(NodeOutput(entry[1], entry[2]))
                 else:
                     rec.append(self.leaf(a))
             else:
@@ -162,7 +163,7 @@ class RegionRecorder(TorchDispatchMode):
                       self.nodes_recorded)
         self.nodes_recorded += 1
         if info.random:
-            node.rng = _capture_rng(args, kwargs)
+            node.rng = capture_rng(args, kwargs)
 
         out = info.call(*args, **kwargs)
         if info.bump_ourselves:
@@ -347,7 +348,7 @@ class RegionRecorder(TorchDispatchMode):
                 finally:
                     self.suspended = False
             return ForeignSaved(t, self.frames[-1].name)
-        handle = SavedHandle(found[0], found[1])
+        handle = NodeOutput(found[0], found[1])
         self.handles.append(handle)
         return handle
 
@@ -366,13 +367,9 @@ class RegionRecorder(TorchDispatchMode):
             for node in self.decisions:
                 node.value = node.versions = node.args = node.kwargs = None
             self.budget_run = None  # it held the forward's activations until the plan
-            self.producers.clear()
-            self.leaves.clear()
-            self.leaves_by_storage = self.saved_by_storage = None
-            self.handles.clear()
-            self.decisions.clear()
+            self._forget_forward()
             raise
-        needed = _needed_nodes(self.handles)
+        needed = needed_nodes(self.handles)
         seen: set[int] = set()
         for node in self.decisions:
             if not node.decision.saves:
@@ -383,11 +380,11 @@ class RegionRecorder(TorchDispatchMode):
                 # mutated, so the op stays recomputable.
                 node.value = node.versions = None
                 continue
-            records.extend(_saved_records(node, seen))
+            records.extend(saved_records(node, seen))
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
                 node.deps = ()
-            _store_saved(node)
+            store_saved(node)
         if self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
                                  if getattr(n.decision, "original", None) is not None else n
@@ -398,6 +395,9 @@ class RegionRecorder(TorchDispatchMode):
             stats.ops_recorded += self.nodes_recorded
             stats.saved.extend(records)
             stats.decisions.extend((op_name(n.op), n.decision) for n in self.decisions)
+        self._forget_forward()
+
+    def _forget_forward(self) -> None:
         self.producers.clear()
         self.leaves.clear()
         self.leaves_by_storage = self.saved_by_storage = None
@@ -405,131 +405,11 @@ class RegionRecorder(TorchDispatchMode):
         self.decisions.clear()
 
 
-
-def _needed_nodes(handles: Sequence[SavedHandle]) -> dict[int, OpNode]:
-    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed.
-
-    Also counts ``OpNode.uses``, how often one backward reads each node: once per handle,
-    once per recomputed node that reads it (compiled autograd's progressive release)."""
-    needed: dict[int, OpNode] = {}
-    stack = []
-    for handle in handles:
-        node = handle.node
-        node.uses += 1
-        stack.append(node)
-    while stack:
-        node = stack.pop()
-        if id(node) in needed:
-            continue
-        needed[id(node)] = node
-        if not (node.decision is not None and node.decision.saves and node.value is not None):
-            deps = node.deps
-            for dep in deps:
-                dep.uses += 1
-            stack.extend(deps)
-    return needed
-
-
 def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None:
     key = storage_key(t)
     for a in node.args:
         value = a.value if type(a) is LeafRef else (
-            a.node.outs[a.index][0]() if type(a) is OutRef and a.node.outs[a.index] else None)
+            a.node.outs[a.index][0]() if type(a) is NodeOutput and a.node.outs[a.index] else None)
         if isinstance(value, torch.Tensor) and storage_key(value) == key:
             return value
     return None
-
-
-def _call_pack(node: OpNode, value: torch.Tensor) -> Any:
-    try:
-        return node.decision.hooks.pack(value)
-    except Exception as e:
-        raise CheckpointError(
-            f"{node.decision.hooks!r} on {node.describe()}: pack raised {type(e).__name__}: "
-            f"{e} while saving {tuple(value.shape)} {value.dtype}; fix the pack hook, or "
-            f"return MUST_SAVE for this op") from e
-
-
-def _store_saved(node: OpNode) -> None:
-    """Apply the decision's storage: plain, CPU offload, or the user's pack hook."""
-    decision = node.decision
-    if decision.hooks is not None:
-        node.packed = [_call_pack(node, v) if isinstance(v, torch.Tensor) else v
-                       for v in node.value]
-    elif decision.offloads:
-        if not _WARNED_OFFLOAD_ON_CPU and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                                              for v in node.value):
-            _warn_offload_on_cpu(node)
-        node.packed = [_offload(v) for v in node.value]
-    else:
-        return
-    node.value = None
-    # A packed tensor may still alias the program's (an identity pack, a CPU "offload").
-    node.versions = [p._version if isinstance(p, torch.Tensor) and not p.is_inference()
-                     else None for p in node.packed]
-
-
-_WARNED_OFFLOAD_ON_CPU = False
-
-
-def _warn_offload_on_cpu(node: OpNode) -> None:
-    global _WARNED_OFFLOAD_ON_CPU
-    _WARNED_OFFLOAD_ON_CPU = True
-    why = "no accelerator is available" if not torch.accelerator.is_available() \
-        else "the tensor is already on the CPU"
-    warnings.warn(f"{node.decision.label} for {node.describe()}: {why}, so CPU offload is a "
-                  f"plain save (warned once). Use MUST_SAVE/PREFER_SAVE to say so", stacklevel=2)
-
-
-def _offload(v: Any) -> Any:
-    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
-        return v
-    host = torch.empty(v.shape, dtype=v.dtype, device="cpu",
-                       pin_memory=torch.cuda.is_available() if v.is_cuda else False)
-    host.copy_(v, non_blocking=True)
-    return (host, v.device)
-
-
-def _saved_records(node: OpNode, seen: set[int]) -> list[SavedValueRecord]:
-    """One record per saved tensor output; a storage shared by several counts once."""
-    records = []
-    for i, t in enumerate(node.value):
-        if not isinstance(t, torch.Tensor):
-            continue
-        key = storage_key(t)
-        size = 0 if key in seen else nbytes(t)
-        seen.add(key)
-        records.append(SavedValueRecord(f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
-                                        size, node.decision.reason(), node.region,
-                                        node.decision.label,
-                                        node.decision.is_must and node.decision.hooks is None))
-    return records
-
-
-def _capture_rng(args: tuple, kwargs: dict) -> tuple[torch.Generator, torch.Tensor]:
-    gen = kwargs.get("generator")
-    if gen is None:
-        device = kwargs.get("device")
-        if device is None:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        if device.type == "cpu":
-            gen = torch.default_generator
-        else:
-            mod = getattr(torch, device.type)
-            idx = device.index if device.index is not None else mod.current_device()
-            gen = mod.default_generators[idx]
-    return gen, gen.get_state()
-
-
-
-def _forward_value(ref: OutRef) -> Any:
-    facts = ref.node.outs[ref.index]
-    return facts[0]() if facts is not None else None
-
-
-def forward_args(node: OpNode) -> tuple[tuple, dict]:
-    """The op's arguments as the forward saw them (for asking policies again)."""
-    args = tuple([map_refs(a, _forward_value) for a in node.args])
-    kwargs = {k: map_refs(v, _forward_value) for k, v in node.kwargs.items()} if node.kwargs else {}
-    return args, kwargs

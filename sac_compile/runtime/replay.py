@@ -10,13 +10,12 @@ import torch
 
 from ..policy import CheckpointError, op_name
 from ..torch_internals import current_autograd_node
-from .graph import (OP_INFO, ForeignSaved, LeafRef, OpNode, OutRef, SavedHandle,
-                    alias_for_saving, flat_outputs, map_refs, mutated_tensors,
-                    op_info, tensor_text)
+from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, alias_for_saving,
+                    flat_outputs, map_refs, mutated_tensors, op_info, tensor_text)
 
 
 def unpack(packed: Any) -> torch.Tensor:
-    if type(packed) is not SavedHandle:
+    if type(packed) is not NodeOutput:
         if type(packed) is ForeignSaved:
             return _unpack_foreign(packed)
         return packed
@@ -76,7 +75,7 @@ def unpack_hook() -> Any:
     return _DYNAMO_OPAQUE_UNPACK
 
 
-def _unpack_progressive(packed: SavedHandle) -> torch.Tensor:
+def _unpack_progressive(packed: NodeOutput) -> torch.Tensor:
     node = packed.node
     ctx = node.ctx
     with ctx.lock:
@@ -123,7 +122,7 @@ def _kept_for(dep: OpNode, node: OpNode) -> bool:
         return False
     refs = [r for a in (*node.args, *(node.kwargs or {}).values())
             for r in (a if isinstance(a, (list, tuple)) else (a,))
-            if type(r) is OutRef and r.node is dep]
+            if type(r) is NodeOutput and r.node is dep]
     return all(kept[r.index] is not None for r in refs)
 
 
@@ -307,7 +306,7 @@ def _restore_packed(node: OpNode) -> list[Any]:
     return values
 
 
-def _recomputed_value(ref: OutRef) -> Any:
+def _recomputed_value(ref: NodeOutput) -> Any:
     node = ref.node
     if node.value is None and node.kept is not None:
         return _unpack_kept(node, ref.index)
