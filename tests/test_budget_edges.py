@@ -180,3 +180,164 @@ def test_lossy_hooks_give_the_same_gradients_whether_or_not_the_output_is_held()
     for a, b, c in zip(held, dropped, compiled):
         assert torch.equal(a, b)
         assert torch.allclose(a, c, rtol=0, atol=1e-6), (a - c).abs().max()
+
+
+# -- unreachable budgets: every message proposes a fix that works ---------------------------
+
+_BF16 = None
+
+
+def _bf16_hooks():
+    global _BF16
+    from sac_compile import SaveWithHooks
+    if _BF16 is None:  # one object: the compiled region's key stays the same
+        _BF16 = SaveWithHooks(_to_bf16, _from_bf16)
+    return _BF16
+
+
+def _hooks_policy(ctx, op, *args, **kwargs):
+    return _bf16_hooks() if op is torch.ops.aten.mm.default else None
+
+
+def _must_mm_policy(ctx, op, *args, **kwargs):
+    from sac_compile import CheckpointPolicy as P
+    return P.MUST_SAVE if op is torch.ops.aten.mm.default else P.PREFER_SAVE
+
+
+def _mlp(x, w):
+    return (x @ w).sin().cos() @ w
+
+
+def _attention(x, w):
+    q = x @ w
+    a = torch.nn.functional.dropout((q @ q.transpose(-1, -2)).softmax(-1), 0.1, training=True)
+    return (a @ q).sin()
+
+
+def _inputs(rows):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 64, generator=gen, requires_grad=True)
+    w = (torch.randn(64, 64, generator=gen) / 8).requires_grad_()
+    return x, w
+
+
+def _budget_run(policy, fn, budget, compiled, rows=64):
+    """One forward and backward of ``fn`` as a region under ``budget``; the gradients."""
+    from sac_compile import sac_region
+    from sac_compile.compiler import make_backend
+
+    x, w = _inputs(rows)
+    if compiled:
+        torch._dynamo.reset()
+        region = sac_region(policy, name="R")(fn)
+        run = torch.compile(region, backend=make_backend(compiler="aot_eager",
+                                                         memory_budget=budget))
+    else:
+        run = sac_region(policy, name="R", memory_budget=budget)(fn)
+    torch.manual_seed(0)
+    run(x, w).sum().backward()
+    return x.grad, w.grad
+
+
+def _unreachable(policy, fn, budget, compiled, rows=64):
+    from sac_compile import CheckpointError
+    from sac_compile.errors import BudgetUnreachableError
+    with pytest.raises(CheckpointError) as info:
+        _budget_run(policy, fn, budget, compiled, rows)
+    assert isinstance(info.value, BudgetUnreachableError), info.value
+    return info.value
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_unreachable_budget_with_hooks_names_them_and_a_fix_that_works(compiled):
+    """SaveWithHooks values were called "MUST_SAVE decisions" and the fix given was
+    policies.relaxed(policy), which leaves hooks alone: the same error again. The message
+    names SaveWithHooks and relaxed(policy, hooks=True), which meets the budget."""
+    from sac_compile import policies
+    err = _unreachable(_hooks_policy, _mlp, 0.1, compiled)
+    msg = str(err)
+    assert "MUST_SAVE decisions" not in msg and "policies.relaxed(policy))" not in msg, msg
+    assert "SaveWithHooks by policy" in msg and "policies.relaxed(policy, hooks=True)" in msg
+    # relaxed(policy) alone still cannot; the fix the message gives can
+    _unreachable(policies.relaxed(_hooks_policy), _mlp, 0.1, compiled)
+    gx, gw = _budget_run(policies.relaxed(_hooks_policy, hooks=True), _mlp, 0.1, compiled)
+    rx, rw = _reference(_mlp)
+    assert torch.allclose(gx, rx, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+
+
+def _reference(fn, rows=64):
+    x, w = _inputs(rows)
+    torch.manual_seed(0)
+    fn(x, w).sum().backward()
+    return x.grad, w.grad
+
+
+def test_relaxed_with_hooks_is_a_value():
+    import pickle
+
+    from sac_compile import policies
+    a = policies.relaxed(policies.save_matmuls, hooks=True)
+    assert a == policies.relaxed(policies.save_matmuls, hooks=True) != \
+        policies.relaxed(policies.save_matmuls)
+    assert hash(a) == hash(pickle.loads(pickle.dumps(a)))
+    assert repr(a) == "relaxed(save_matmuls, hooks=True)"
+    assert repr(policies.relaxed(policies.save_matmuls)) == "relaxed(save_matmuls)"
+    with pytest.raises(TypeError, match="hooks="):
+        policies.relaxed(policies.save_matmuls, hooks="yes")
+
+
+UNREACHABLE = {
+    # (policy, fn, budget, compiled, rows): kinds of unreachable budgets
+    "hooks-fraction-eager": (_hooks_policy, _mlp, 0.1, False, 64),
+    "hooks-bytes-compiled": (_hooks_policy, _mlp, 1024, True, 64),
+    "must-save-fraction-compiled": (_must_mm_policy, _mlp, 0.1, True, 64),
+    "must-save-bytes-eager": (_must_mm_policy, _mlp, "4KiB", False, 64),
+    # CPU dropout: recomputing it keeps the generator's 5,056 B state, more than its
+    # outputs; the message asked for "memory_budget=1.0 or more" and to recompute more
+    "attention-dropout-compiled": ("recompute_all", _attention, 0.5, True, 8),
+    "dropout-bytes-eager": ("recompute_all", _attention, "2KiB", False, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREACHABLE))
+def test_an_unreachable_budget_proposes_a_valid_budget_that_is_met(case):
+    """The error's ``proposed_budget`` (a field, not prose) is a valid budget of the kind
+    given, and rerunning with it succeeds with exact gradients."""
+    from sac_compile.budgets import check_budget
+    policy, fn, budget, compiled, rows = UNREACHABLE[case]
+    err = _unreachable(policy, fn, budget, compiled, rows)
+    proposed = err.proposed_budget
+    assert check_budget(proposed) == proposed
+    assert isinstance(proposed, float) == isinstance(budget, float), proposed
+    assert f"memory_budget={proposed!r}" in str(err) and "or more" not in str(err)
+    assert err.budget == check_budget(budget) and err.least_bytes > 0
+    if isinstance(proposed, float):
+        assert proposed * err.unconstrained_bytes >= err.least_bytes
+    else:
+        assert proposed >= err.least_bytes
+    if fn is _attention:
+        assert "let more of these values be recomputed" not in str(err)
+    grads = _budget_run(policy, fn, proposed, compiled, rows)
+    if policy is not _hooks_policy:  # (bf16 packing is lossy)
+        for g, r in zip(grads, _reference(fn, rows)):
+            assert torch.allclose(g, r, atol=1e-5)
+
+
+def test_an_unreachable_whole_model_budget_proposes_bytes_that_are_met():
+    from fixtures.models import make_model, loss_fn
+    from sac_compile import apply_regions, policies
+    from sac_compile.errors import BudgetUnreachableError
+
+    def steps(budget):
+        model, inputs = make_model("gpt", size="test", seed=0)
+        apply_regions(model, policies.save_matmuls, where=type(model.blocks[0]),
+                      memory_budget=budget)
+        for _ in range(2):  # the first step records, the second finds the price
+            loss_fn(model(*inputs)).backward()
+
+    with pytest.raises(BudgetUnreachableError) as info:
+        steps(64)
+    err = info.value
+    assert isinstance(err.proposed_budget, int) and err.proposed_budget >= err.least_bytes
+    assert f"memory_budget={err.proposed_budget!r}" in str(err)
+    steps(err.proposed_budget)

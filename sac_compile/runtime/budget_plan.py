@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from ..errors import BudgetUnreachableError
 from ..policy import CheckpointError
 from .budget_graph import Plan, RegionGraph, plan_of_cut, region_network
 
@@ -57,6 +58,8 @@ def _solve(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     from ..cut.budget import budget_label, solve_with_budget
     try:
         res = solve_with_budget(rg.net, run.budget.value)
+    except BudgetUnreachableError as e:
+        raise e.prefixed(f"region {run.region!r} (eager mode): ") from None
     except CheckpointError as e:
         raise CheckpointError(f"region {run.region!r} (eager mode): {e}") from None
     evicted = evicted_values(rg, res.evicted, run.budget.value)
