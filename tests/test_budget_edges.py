@@ -341,3 +341,67 @@ def test_an_unreachable_whole_model_budget_proposes_bytes_that_are_met():
     assert isinstance(err.proposed_budget, int) and err.proposed_budget >= err.least_bytes
     assert f"memory_budget={err.proposed_budget!r}" in str(err)
     steps(err.proposed_budget)
+
+
+# -- the partitioner's options: one validated, documented value ----------------------------
+
+BAD_OPTIONS = {
+    # keyword -> (value, error type, what the message must say)
+    "offload_options": ({"activation_offload_sink_wait": "no"}, TypeError,
+                        "activation_offload_sink_wait must be True or False, got 'no'"),
+    "offload_options-0": ({"activation_reload_prefetch": 0}, TypeError,
+                          "activation_reload_prefetch must be True or False, got 0"),
+    "offload_options-name": ({"sink_wait": True}, ValueError, "unknown flags ['sink_wait']"),
+    "offload_options-list": (["activation_reload_prefetch"], TypeError,
+                             "offload_options must be an OffloadOptions or a dict"),
+    "cse": ("yes", TypeError, "cse must be True or False, got 'yes'"),
+    "delegate_untagged": (None, TypeError, "delegate_untagged must be True or False"),
+    "solver": ("dinic", ValueError, "solver must be 'scipy', 'networkx' or None"),
+    "cost_model": ({}, TypeError, "cost_model must be a sac_compile.cut.network.CostModel"),
+    "memory_budget": (1.5, ValueError, "memory_budget=1.5: a float is a fraction"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OPTIONS))
+def test_partitioner_options_are_checked_by_type_and_value(case):
+    """SACPartitioner(offload_options={...}) checked names only: "no" and 0 were taken as
+    given. Every option is checked when given, naming it and what it takes, through the
+    keywords of SACPartitioner and make_backend and as a PartitionerConfig."""
+    from sac_compile.compiler import SACPartitioner, make_backend
+    name = case.split("-")[0]
+    value, error, text = BAD_OPTIONS[case]
+    with pytest.raises(error, match=__import__("re").escape(text)):
+        SACPartitioner(**{name: value})
+    with pytest.raises(error, match=__import__("re").escape(text)):
+        make_backend(compiler="aot_eager", **{name: value})
+
+
+def test_partitioner_options_are_one_frozen_value_built_from_the_keywords():
+    import dataclasses
+    import pickle
+
+    from sac_compile.compiler import OffloadOptions, PartitionerConfig, SACPartitioner, make_backend
+    from sac_compile.compiler.offload import DEFAULTS
+
+    assert [f.name for f in dataclasses.fields(OffloadOptions)] == list(DEFAULTS)
+    p = SACPartitioner(memory_budget="64KiB", cse=True,
+                       offload_options={"activation_offload_sink_wait": True})
+    config = PartitionerConfig(memory_budget=65536, cse=True,
+                               offload=OffloadOptions(activation_offload_sink_wait=True))
+    assert p.config == config and hash(p.config) == hash(config)
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert p.offload_options == {"activation_offload_sink_wait": True}
+    assert (p.memory_budget, p.cse) == (65536, True)
+    assert SACPartitioner(config=config).uuid() == p.uuid() != SACPartitioner().uuid()
+    assert SACPartitioner(offload_options=config.offload).config == PartitionerConfig(
+        offload=config.offload)
+    assert make_backend(compiler="aot_eager", config=config).partitioner.config == config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cse = False  # type: ignore[misc]
+    with pytest.raises(TypeError, match="not both"):
+        SACPartitioner(config=config, cse=True)
+    for cls in (PartitionerConfig, OffloadOptions):  # each field has its docstring
+        lines = __import__("inspect").getsource(cls).splitlines()
+        for f in dataclasses.fields(cls):
+            (at,) = [i for i, line in enumerate(lines) if line.startswith(f"    {f.name}:")]
+            assert lines[at + 1].strip().startswith('"""'), (cls.__name__, f.name)
