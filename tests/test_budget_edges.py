@@ -208,6 +208,12 @@ def _mlp(x, w):
     return (x @ w).sin().cos() @ w
 
 
+def _mlp_addmm(x, w):
+    """mm (MUST_SAVE under _must_mm_policy), then an addmm the policy prefers to save: the
+    least reachable keeps mm alone, less than without a budget."""
+    return torch.addmm(w, (x @ w).sin(), w).sin() @ w
+
+
 def _attention(x, w):
     q = x @ w
     a = torch.nn.functional.dropout((q @ q.transpose(-1, -2)).softmax(-1), 0.1, training=True)
@@ -290,7 +296,8 @@ UNREACHABLE = {
     # (policy, fn, budget, compiled, rows): kinds of unreachable budgets
     "hooks-fraction-eager": (_hooks_policy, _mlp, 0.1, False, 64),
     "hooks-bytes-compiled": (_hooks_policy, _mlp, 1024, True, 64),
-    "must-save-fraction-compiled": (_must_mm_policy, _mlp, 0.1, True, 64),
+    "must-save-fraction-compiled": (_must_mm_policy, _mlp_addmm, 0.1, True, 64),
+    "must-save-fraction-eager": (_must_mm_policy, _mlp_addmm, 0.1, False, 64),
     "must-save-bytes-eager": (_must_mm_policy, _mlp, "4KiB", False, 64),
     # CPU dropout: recomputing it keeps the generator's 5,056 B state, more than its
     # outputs; the message asked for "memory_budget=1.0 or more" and to recompute more
@@ -405,3 +412,17 @@ def test_partitioner_options_are_one_frozen_value_built_from_the_keywords():
         for f in dataclasses.fields(cls):
             (at,) = [i for i, line in enumerate(lines) if line.startswith(f"    {f.name}:")]
             assert lines[at + 1].strip().startswith('"""'), (cls.__name__, f.name)
+
+
+def test_the_proposed_budget_is_valid_rounded_up_and_never_above_one():
+    from sac_compile.budgets import check_budget, proposed_budget
+    assert proposed_budget(0.1, 1000, 3000) == 0.3334   # up, not to the nearest (0.3333)
+    assert proposed_budget(0.1, 6000, 5000) == 1.0      # the least above the unconstrained
+    assert proposed_budget(0.1, 7, 7) == 1.0
+    assert proposed_budget(0.5, 1, 10**9) == 1e-4       # > 0, and met
+    assert proposed_budget(1024, 4097.5, 9000) == 4098
+    assert proposed_budget(1024, 0, 0) == 2             # an int budget is >= 2
+    for args in [(0.1, 1000, 3000), (0.3, 2, 3), (0.2, 123457, 999999), (64, 1, 5)]:
+        p = proposed_budget(*args)
+        assert check_budget(p) == p and type(p) is type(args[0])
+        assert (p * args[2] if isinstance(p, float) else p) >= args[1]
