@@ -4,6 +4,7 @@
 The public surface::
 
     CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
+    BudgetUnreachableError        # a memory budget out of reach, with a budget that is met
     sac_region, checkpoint, apply_regions, tag, name                   # where they apply
     policies, per_call                                # presets that compose; per-call state
     sac_backend, make_backend, SACPartitioner                          # torch.compile
@@ -12,6 +13,7 @@ The public surface::
 from typing import Any
 
 from . import logs, policies  # logs: honours SAC_COMPILE_LOGS for every user, CLI or not
+from .errors import BudgetUnreachableError
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
 from .per_call import per_call
 from .regions import apply_regions, checkpoint, name, sac_region, tag
@@ -38,6 +40,6 @@ def __getattr__(attr: str) -> Any:
     return value
 
 
-__all__ = ["CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
+__all__ = ["BudgetUnreachableError", "CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
            "logs", "name", "per_call", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key"]
+__all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key", "proposed_budget"]
 
 
 class ModelBudget:
@@ -101,6 +101,23 @@ def budget_label(budget: float | int) -> str:
     if isinstance(budget, float):
         return f"{budget * 100:g}%"
     return fmt_bytes(budget)
+
+
+def proposed_budget(given: float | int, least: float, unconstrained: float) -> float | int:
+    """The budget to propose when ``given`` cannot be met: valid (:func:`check_budget`
+    accepts it), of the same kind (a fraction, or bytes), and met, since it allows at
+    least the ``least`` bytes reachable. A fraction is rounded up (4 decimals), never past
+    1.0, which the unconstrained cut always meets (as does ``unconstrained`` bytes: when
+    keeping everything takes fewer bytes than the least found, it is the least)."""
+    least = min(least, unconstrained) if unconstrained > 0 else least
+    if not isinstance(given, float):
+        return max(int(math.ceil(least)), 2)
+    if unconstrained <= 0 or least >= unconstrained:
+        return 1.0
+    fraction = math.ceil(least / unconstrained * 10_000) / 10_000
+    while fraction * unconstrained < least:  # (float rounding)
+        fraction += 1e-4
+    return min(max(fraction, 1e-4), 1.0)
 
 
 _HINT = ("a fraction in (0, 1] as a float (0.5 = half of the activation bytes saved "

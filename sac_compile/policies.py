@@ -16,8 +16,8 @@ import torch
 
 from .policy import (PRESETS, MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD,
                      PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, OpSetPolicy, PolicyFn,
-                     PolicyLike, PolicyValue, coerce_opinion, expand_ops, normalize_policy,
-                     op_names, region_of)
+                     PolicyLike, PolicyValue, SaveWithHooks, coerce_opinion, expand_ops,
+                     normalize_policy, op_names, region_of)
 from .torch_internals import OpOverload
 
 aten = torch.ops.aten
@@ -193,29 +193,39 @@ _RELAXED = {MUST_SAVE: PREFER_SAVE, MUST_RECOMPUTE: PREFER_RECOMPUTE,
 
 @dataclasses.dataclass(frozen=True)
 class Relaxed(PolicyValue):
-    """``policy`` (normalised) with its MUSTs turned into PREFERs; see :func:`relaxed`."""
+    """``policy`` (normalised) with its MUSTs turned into PREFERs, and with ``hooks`` its
+    ``SaveWithHooks`` into PREFER_SAVE; see :func:`relaxed`."""
 
     policy: PolicyFn
+    hooks: bool = False
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        opinion = coerce_opinion(self.policy(ctx, op, *args, **kwargs), op, region_of(ctx))
-        return _RELAXED.get(opinion, opinion) if isinstance(opinion, CheckpointPolicy) \
-            else opinion
+        return self._relax(coerce_opinion(self.policy(ctx, op, *args, **kwargs), op,
+                                          region_of(ctx)))
+
+    def _relax(self, opinion: Any) -> Any:
+        if isinstance(opinion, CheckpointPolicy):
+            return _RELAXED.get(opinion, opinion)
+        if self.hooks and isinstance(opinion, SaveWithHooks):
+            return PREFER_SAVE
+        return opinion
 
     @property
     def constant(self) -> Any:  # type: ignore[override]
         inner = getattr(self.policy, "constant", None)
-        return _RELAXED.get(inner, inner) if inner is not None else None
+        return self._relax(inner) if inner is not None else None
 
     def __repr__(self) -> str:
-        return f"relaxed({self.policy!r})"
+        return f"relaxed({self.policy!r}{', hooks=True' if self.hooks else ''})"
 
 
-def relaxed(policy: PolicyLike) -> Relaxed:
+def relaxed(policy: PolicyLike, *, hooks: bool = False) -> Relaxed:
     """``policy`` with its MUSTs turned into PREFERs: MUST_SAVE -> PREFER_SAVE,
     MUST_RECOMPUTE -> PREFER_RECOMPUTE, MUST_CPU_OFFLOAD -> PREFER_CPU_OFFLOAD (a ``True``
-    counts as MUST_SAVE, as torch reads it). Every other answer (PREFERs, ``None``,
-    ``SaveWithHooks``) is unchanged.
+    counts as MUST_SAVE, as torch reads it). With ``hooks=True`` a ``SaveWithHooks`` becomes
+    PREFER_SAVE too (the hooks are dropped: a value the budget keeps is kept as it is, and
+    one it drops is recomputed); without it a ``SaveWithHooks`` is unchanged, as every
+    other answer (PREFERs, ``None``).
 
     What a memory budget needs to evict a preset's values: the compiler never overrides a
     MUST, so ``make_backend(memory_budget=0.5)`` with ``save_matmuls`` can only recompute
@@ -223,7 +233,9 @@ def relaxed(policy: PolicyLike) -> Relaxed:
     unless the budget says otherwise. Eager mode honours PREFER_SAVE as a save, so there a
     relaxed policy saves the same values.
     """
-    return Relaxed(normalize_policy(policy))
+    if not isinstance(hooks, bool):
+        raise TypeError(f"relaxed(..., hooks=) takes True or False, got {hooks!r}")
+    return Relaxed(normalize_policy(policy), hooks)
 
 
 PRESETS.update({  # the core's table of names (see policy.PRESETS)

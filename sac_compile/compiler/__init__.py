@@ -18,6 +18,8 @@ Modules, one concern each:
   the host (torch's offload pass), packed by traced hooks.
 * :mod:`.reasons` - why a value is saved or cannot be recomputed: a kind and a text.
 * :mod:`.partition` - :class:`SACPartitioner`, torch's ``CustomPartitionerFn``.
+* :mod:`.options` - :class:`PartitionerConfig` and :class:`OffloadOptions`: the
+  partitioner's options, one validated, documented value.
 * :mod:`.backend` - ``sac_backend`` and ``make_backend``.
 * :mod:`.named_backends` - the same under names: ``backend="sac_inductor"``/``"sac_aot_eager"``.
 * :mod:`.regions_compiled` - ``sac_region``/``checkpoint``/``tag``/``name`` under compile.
@@ -26,8 +28,10 @@ from . import regions_compiled  # noqa: F401  (quiets torch's context_fn warning
 from .backend import make_backend, sac_backend
 from ..cut.network import CostModel
 from .named_backends import register as _register_backend_names
+from .options import OffloadOptions, PartitionerConfig
 from .partition import SACPartitioner
 
 _register_backend_names()  # entry points cover installs; this covers a bare checkout
 
-__all__ = ["CostModel", "SACPartitioner", "make_backend", "sac_backend"]
+__all__ = ["CostModel", "OffloadOptions", "PartitionerConfig", "SACPartitioner", "make_backend",
+           "sac_backend"]

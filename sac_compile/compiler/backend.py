@@ -44,7 +44,9 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
     """A backend for ``torch.compile(model, backend=...)``; see the module docstring.
     ``mode``/``options``: Inductor's, as ``torch.compile``'s (``compiler="inductor"``).
     Other keywords are :class:`SACPartitioner`'s (``cost_model``, ``cse``,
-    ``delegate_untagged``, ``offload_options``)."""
+    ``delegate_untagged``, ``offload_options``), or its options as one value,
+    ``config=PartitionerConfig(...)`` (:mod:`.options`); either way checked here, naming
+    the field."""
     _check_partitioner_options(partitioner_options)
     partitioner = SACPartitioner(solver=solver, memory_budget=memory_budget,
                                  on_partition=on_partition, **partitioner_options)

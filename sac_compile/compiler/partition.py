@@ -32,7 +32,7 @@ from ..torch_internals import CustomPartitionerFn
 from .. import graph_meta
 from ..logs import partition_log
 from ..report import PartitionReport
-from ..cut.budget import check_budget
+
 from ..cut.network import CostModel
 from ..cut.roles import static_inputs
 from ..cut.solvers import default_solver
@@ -41,6 +41,7 @@ from .describe import describe_partition
 from .extract import Split, extract, split_upstream
 from .normalize import normalize_tags
 from .storage import HookTraces, apply_storage, plan_storage, save_bases_of_views
+from .options import OffloadOptions, PartitionerConfig
 from .who_splits import register_partitioner
 
 __all__ = ["SACPartitioner"]
@@ -72,45 +73,43 @@ def _code_hash() -> str:
 class SACPartitioner(CustomPartitionerFn):
     """Partition a joint graph by its SAC tags with a min-cut.
 
-    ``solver``: ``"scipy"`` (compiled Dinic, the default when scipy is installed) or
-    ``"networkx"``. ``cost_model``: the objective's weights. ``on_partition(report)``: called
-    once per split; dropped when the partitioner is pickled if it does not pickle itself.
-    Each report also goes to the ``sac_partition`` log artifact (see :mod:`sac_compile.logs`).
-    ``cse``: run torch's FX CSE first, as upstream does. ``memory_budget``: a float in (0, 1],
-    a fraction of the activation bytes each split saves without a budget, or a byte count
-    per split (an int >= 2, or a string such as ``"64MiB"``); inputs and parameters are not
-    counted (see :mod:`.budget`). A budget that cannot be met raises
-    :class:`~sac_compile.CheckpointError`. ``offload_options``: torch's offload flags
-    (``activation_offload_separate_stream``, ``activation_offload_sink_wait``,
-    ``activation_reload_prefetch``) for this partitioner, over :data:`.offload.DEFAULTS`.
+    The options are one validated :class:`~.options.PartitionerConfig` (``config``), or
+    built from the keywords (``memory_budget``, ``solver``, ``cost_model``, ``cse``,
+    ``delegate_untagged``, ``offload_options``: see its fields); a wrong type or value
+    raises naming the field. ``on_partition(report)``: called once per split; dropped when
+    the partitioner is pickled if it does not pickle itself. Each report also goes to the
+    ``sac_partition`` log artifact (see :mod:`sac_compile.logs`). A budget that cannot be
+    met raises :class:`~sac_compile.errors.BudgetUnreachableError`.
     """
 
     def __init__(self, *, solver: str | None = None, cost_model: CostModel | None = None,
                  memory_budget: float | int | str | None = None,
                  on_partition: Callable[[PartitionReport], Any] | None = None,
                  cse: bool = False, delegate_untagged: bool = True,
-                 offload_options: dict[str, bool] | None = None) -> None:
-        if solver not in (None, "scipy", "networkx"):
-            raise ValueError(f"solver must be 'scipy', 'networkx' or None, got {solver!r}")
-        self.memory_budget = check_budget(memory_budget)
-        self.solver = solver or default_solver()
-        self.cost_model = cost_model or CostModel()
+                 offload_options: dict[str, bool] | OffloadOptions | None = None,
+                 config: PartitionerConfig | None = None) -> None:
+        if config is None:
+            config = PartitionerConfig.from_kwargs(
+                solver=solver, cost_model=cost_model, memory_budget=memory_budget, cse=cse,
+                delegate_untagged=delegate_untagged, offload_options=offload_options)
+        elif not isinstance(config, PartitionerConfig) or (
+                solver, cost_model, memory_budget, cse, delegate_untagged, offload_options
+        ) != (None, None, None, False, True, None):
+            raise TypeError("SACPartitioner takes a PartitionerConfig as config= or the "
+                            f"options as keywords, not both; got config={config!r}")
+        self.config = config
+        self.memory_budget = config.memory_budget
+        self.solver = config.solver or default_solver()
+        self.cost_model = config.cost_model
         self.on_partition = on_partition
-        self.cse = cse
-        self.delegate_untagged = delegate_untagged
-        from .offload import DEFAULTS as offload_defaults
-        unknown = sorted(set(offload_options or {}) - set(offload_defaults))
-        if unknown:
-            raise ValueError(f"offload_options: unknown flags {unknown}; expected some of "
-                             f"{sorted(offload_defaults)}")
-        self.offload_options = dict(offload_options or {})
+        self.cse = config.cse
+        self.delegate_untagged = config.delegate_untagged
+        self.offload_options = config.offload.overrides()
         self.last_report: PartitionReport | None = None
 
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
-        options = repr((self.solver, self.cost_model, self.cse, self.delegate_untagged,
-                        self.memory_budget, type(self.memory_budget).__name__,
-                        sorted(self.offload_options.items())))
+        options = repr((self.solver, self.config, type(self.memory_budget).__name__))
         return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
 
     def __getstate__(self) -> dict[str, Any]:

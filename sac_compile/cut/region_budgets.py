@@ -290,13 +290,12 @@ def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[in
                  cap: float, least: float, most: float) -> None:
     """Our budget on a region (or the whole model) below what it can keep: the error
     :mod:`.budget` gives for a graph-wide one, naming the group."""
-    from .budget import _explain_budget
+    from .budget import budget_unreachable
     idx = net.cls.index
     kept = [v for v in low.kept if idx[v] in members]
     rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed if i in members)
-    raise CompiledCheckpointError(
-        f"{group.label}: " + _explain_budget(net, kept, group.fraction, cap, int(least),
-                                             int(most), rng)) from None
+    raise budget_unreachable(net, kept, group.fraction, cap, int(least), int(most), rng,
+                             prefix=f"{group.label}: ") from None
 
 
 def _facts(figures: list[tuple[GroupFigures, set[int]]], groups: list[BudgetGroup],

@@ -63,7 +63,10 @@ def solve_shared_price(nets: Sequence[FlowNetwork], cap: float,
     low = cuts_at(w_min)
     least = [c.nbytes for c in low]
     if sum(least) > cap:
-        raise ValueError(f"the least the regions can keep together is {sum(least):,} B")
+        err = ValueError(f"the least the regions can keep together is {sum(least):,} B")
+        err.least_bytes = sum(least)  # type: ignore[attr-defined]  (for the caller's fix)
+        err.unconstrained_bytes = sum(unconstrained)  # type: ignore[attr-defined]
+        raise err
     best, over = low, base
     lo, hi = math.log(w_min), 0.0
     for _ in range(BISECT_STEPS):

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
+from ..errors import BudgetUnreachableError
 from ..policy import CheckpointError
 from ..tensor_memory import storage_nbytes
 from ..torch_internals import pytree
@@ -59,6 +60,8 @@ def _solve(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     from ..cut.budget import budget_label, solve_with_budget
     try:
         res = solve_with_budget(rg.net, run.budget.value)
+    except BudgetUnreachableError as e:
+        raise e.prefixed(f"region {run.region!r} (eager mode): ") from None
     except CheckpointError as e:
         raise CheckpointError(f"region {run.region!r} (eager mode): {e}") from None
     evicted = evicted_values(rg, res.evicted, run.budget.value)

@@ -152,7 +152,8 @@ class NodeOutput:
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
                  "versions", "outs", "rng", "packed", "mutated_by", "seq",
-                 "names", "tag", "uses", "spent", "kept", "kept_versions", "__weakref__")
+                 "names", "tag", "uses", "spent", "kept", "kept_versions", "via_hooks",
+                 "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
                  ctx: ReplayContext, seq: int) -> None:
@@ -186,6 +187,9 @@ class OpNode:
         # and their versions then; the op stays recomputable for the others.
         self.kept: list[Any] | None = None
         self.kept_versions: list[int | None] | None = None
+        # Whether recomputing this node reads a value restored by SaveWithHooks (None until
+        # a backward asks; replay.py): then a live forward output is not reused for it.
+        self.via_hooks: bool | None = None
 
     @property
     def region(self) -> str:
@@ -193,6 +197,54 @@ class OpNode:
 
     def describe(self) -> str:
         return f"{op_name(self.op)} (op #{self.seq} of region {self.region!r})"
+
+
+def kept_for(dep: OpNode, node: OpNode) -> bool:
+    """Whether the outputs of ``dep`` that ``node`` reads are all kept (``dep.kept``)."""
+    kept = dep.kept
+    if kept is None:
+        return False
+    refs = [r for a in (*node.args, *(node.kwargs or {}).values())
+            for r in (a if isinstance(a, (list, tuple)) else (a,))
+            if type(r) is NodeOutput and r.node is dep]
+    return all(kept[r.index] is not None for r in refs)
+
+
+def recomputes_through_hooks(target: OpNode) -> bool:
+    """Whether recomputing ``target`` reads, directly or through other recomputed nodes, a
+    value saved with ``SaveWithHooks``. Plainly saved (or offloaded) values stop the walk:
+    they come back exact. Memoized on the nodes (``via_hooks``): decisions are final once
+    the region has returned."""
+    if target.via_hooks is not None:
+        return target.via_hooks
+    stack = [target]
+    while stack:
+        node = stack[-1]
+        if node.via_hooks is not None:
+            stack.pop()
+            continue
+        pending = [d for d in node.deps if d.via_hooks is None and not _hooked(d)
+                   and not _exact_when_read(d, node)]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        node.via_hooks = any(_hooked(d) or (d.via_hooks and not _exact_when_read(d, node))
+                             for d in node.deps)
+    return target.via_hooks
+
+
+def _hooked(node: OpNode) -> bool:
+    return node.decision is not None and node.decision.hooks is not None
+
+
+def _exact_when_read(dep: OpNode, reader: OpNode) -> bool:
+    """Whether ``reader``'s recompute reads ``dep`` as the forward computed it: saved
+    without hooks, or the outputs it reads kept under a memory budget."""
+    decision = dep.decision
+    if decision is not None and decision.saves and decision.hooks is None:
+        return True
+    return kept_for(dep, reader)
 
 
 def needs_detach(t: torch.Tensor) -> bool:

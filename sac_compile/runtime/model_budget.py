@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from ..budgets import ModelBudget, RegionBudget
-from ..policy import CheckpointError
+from ..budgets import ModelBudget, RegionBudget, proposed_budget
+from ..errors import BudgetUnreachableError
 from .budget_graph import RegionGraph
 from .budget_graph import Plan, plan_of_cut
 
@@ -82,12 +82,18 @@ def _solve(model: ModelBudget) -> None:
         price = solve_shared_price([r.net for r in pending], float(model.nbytes))
     except ValueError as e:
         regions = ", ".join(dict.fromkeys(r.region for r in pending))
-        raise CheckpointError(
+        least = int(e.least_bytes)  # type: ignore[attr-defined]
+        proposed = proposed_budget(model.nbytes, least, least)
+        raise BudgetUnreachableError(
             f"whole-model memory budget {budget_label(model.nbytes)} of apply_regions cannot "
             f"be met: {e}, with everything recomputed or offloaded that may be (regions "
-            f"{regions}). To fix: raise the budget to at least that, or relax the policy's "
-            f"MUST_SAVE decisions to PREFER_SAVE (policies.relaxed(policy)) so the budget may "
-            f"evict them") from None
+            f"{regions}). To fix: raise the budget to at least that (memory_budget="
+            f"{proposed!r}), or relax the policy's MUST_SAVE decisions to PREFER_SAVE "
+            f"(policies.relaxed(policy); policies.relaxed(policy, hooks=True) also relaxes "
+            f"SaveWithHooks) so the budget may evict them",
+            budget=model.nbytes, least_bytes=least,
+            unconstrained_bytes=int(e.unconstrained_bytes),  # type: ignore[attr-defined]
+            proposed_budget=proposed) from None
     shares: dict[str, int] = {}
     unconstrained: dict[str, int] = {}
     for rec, cut, free in zip(pending, price.cuts, price.unconstrained):

@@ -11,7 +11,8 @@ import torch
 from ..policy import CheckpointError, op_name
 from ..torch_internals import current_autograd_node
 from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, alias_for_saving,
-                    flat_outputs, map_refs, mutated_tensors, op_info, tensor_text)
+                    flat_outputs, kept_for, map_refs, mutated_tensors, op_info,
+                    recomputes_through_hooks, tensor_text)
 
 
 def unpack(packed: Any) -> torch.Tensor:
@@ -115,17 +116,6 @@ def _unpack_kept(node: OpNode, index: int) -> torch.Tensor:
     return t
 
 
-def _kept_for(dep: OpNode, node: OpNode) -> bool:
-    """Whether the outputs of ``dep`` that ``node`` reads are all kept (``dep.kept``)."""
-    kept = dep.kept
-    if kept is None:
-        return False
-    refs = [r for a in (*node.args, *(node.kwargs or {}).values())
-            for r in (a if isinstance(a, (list, tuple)) else (a,))
-            if type(r) is NodeOutput and r.node is dep]
-    return all(kept[r.index] is not None for r in refs)
-
-
 def _release(node: OpNode) -> None:
     """Drop a recomputed (or reused) value that can be recomputed again; never one the
     decision keeps (a saved value, a collective's output)."""
@@ -216,7 +206,7 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
             expanded.add(id(node))
             pushed = False
             for dep in node.deps:
-                if (dep.value is None and (dep.kept is None or not _kept_for(dep, node))) \
+                if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
                         or dep.mutated_by is not None:
                     stack.append(dep)
                     pushed = True
@@ -261,7 +251,12 @@ def _check_not_mutated(node: OpNode) -> None:
 
 def _live_forward_outputs(node: OpNode) -> list[Any] | None:
     """The forward's own outputs, if every one is still alive and unmutated: no need to
-    recompute what the program still holds."""
+    recompute what the program still holds. Not when the recompute would read a value
+    restored by ``SaveWithHooks``: a lossy pack (bf16) makes the recomputed value differ
+    from the live one, and gradients must not depend on whether the caller still holds an
+    output (the compiled split always recomputes through the hooks)."""
+    if recomputes_through_hooks(node):
+        return None
     values = []
     for facts in node.outs:
         if facts is None:
