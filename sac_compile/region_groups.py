@@ -254,6 +254,13 @@ class BudgetStep:
     def __init__(self, budget: Any) -> None:
         self.budget = budget
 
+    # A copy of the model shares the budget, as its regions' RegionBudgets do.
+    def __copy__(self) -> BudgetStep:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> BudgetStep:
+        return self
+
     def __call__(self, module: Any, args: Any) -> None:
         if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
             return None

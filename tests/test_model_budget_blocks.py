@@ -77,6 +77,7 @@ def test_identical_blocks_compiled_per_block_share_one_whole_model_budget():
                for n in reports[0].notes), reports[0].notes
     budget = model.blocks[0]._sac_regions[0].frame.budget.model
     assert budget.recompiles == 0 and budget.kind_share is None
+    assert budget.shares == {f"blocks.{i}": 8192 for i in range(N)}   # every block's share
 
 
 def test_two_kinds_of_block_compiled_per_block_find_one_price(caplog):

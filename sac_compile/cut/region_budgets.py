@@ -279,7 +279,12 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
                     if budget.model is group.model:
                         by_region.setdefault(name, set()).add(idx[v])
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}
-        group.model.shares.update(shares)
+        model = group.model
+        model.shares.update(shares)
+        if group.partial:  # a kind's graph serves every block of its kind
+            model.shares.update({m: shares[name] for name in shares for m, k in
+                                 zip(model.members, model.kinds)
+                                 if k == model.kind_of(name) and m not in by_region})
         lines.append(f"{group.label}: shares " + ", ".join(
             f"{name} {fmt_bytes(b)}" for name, b in shares.items()))
     return lines
