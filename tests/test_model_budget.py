@@ -130,3 +130,24 @@ def test_whole_model_budget_under_compile_is_one_cap_over_the_regions():
     assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-5
     assert any("over 2 blocks; this graph's 1 at 9.8 KiB each" in n for n in cap.report.notes)
     assert sum(s.nbytes for s in cap.report.saved if not s.is_input and s.region) <= 10000
+
+
+@pytest.mark.parametrize("fraction,alive", [(0.5, 26756), (0.3, 18564)])
+def test_the_first_call_of_a_region_budget_is_within_it_when_backward_starts(fraction,
+                                                                             alive):
+    """A budget of each region's own (a fraction): its first call plans at the region's exit
+    and drops what the plan does not keep there, so the bytes alive when backward starts
+    (LiveBytes) are those of every later call."""
+    from sac_compile.live_bytes import LiveBytes
+    model, inputs = _gpt()
+    apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=fraction)
+    seen = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with LiveBytes() as meter:
+            torch.manual_seed(0)
+            loss = loss_fn(model(*inputs))
+            meter.mark("backward")
+            loss.backward()
+        seen.append(meter.at("backward"))
+    assert seen == [alive, alive]
