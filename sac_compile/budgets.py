@@ -110,17 +110,20 @@ def budget_key(budget: RegionBudget | None) -> str:
     return f"{kind}:{budget.value!r}{model}"
 
 
-def budget_cache_text(budget: RegionBudget | None) -> str | None:
+def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> str | None:
     """What a compiled region's split depends on of its budget, for the compile caches
     (the same in every process): the value; for a whole-model budget also the model's
     size, the block's kind and its share at the price (or the even split before it).
     None where the split must not come from a cache: a model of several kinds before its
-    price is found, whose partitions record the kinds' networks for it."""
+    price is found, whose partitions record the kinds' networks for it. ``whole``: the
+    graph holds all the model's regions (one cap over them, no share)."""
     if budget is None:
         return "none"
     text = f"{type(budget.value).__name__}:{budget.value!r}"
     model = budget.model
     if model is not None:
+        if whole:
+            return text + f"|model of {len(model.members)}|whole graph"
         with model.lock:
             shares = model.kind_share
         if shares is None and len(set(model.kinds)) > 1:
