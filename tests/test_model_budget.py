@@ -33,6 +33,21 @@ def _step(model, inputs):
     return stats, per, grads_of(model, inputs)
 
 
+def _alive_when_backward_starts(model, inputs, steps=2):
+    """Bytes alive (LiveBytes: storages, no allocator) when each step's backward starts."""
+    from sac_compile.live_bytes import LiveBytes
+    alive = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with LiveBytes() as meter:
+            torch.manual_seed(0)
+            loss = loss_fn(model(*inputs))
+            meter.mark("backward")
+            loss.backward()
+        alive.append(meter.at("backward"))
+    return alive
+
+
 def test_one_budget_for_all_regions_in_eager_mode():
     """GPT fixture (dropout on): step 1 records and already keeps at most the budget (each
     region cut at its part of what the step has left, measured by the runtime's saved-value
@@ -64,19 +79,9 @@ def test_step_one_is_within_budget_when_backward_starts():
     what later steps have alive: step 1's regions drop their held forward outputs at their
     exits, down to plans that together keep 18,432 B, as the price's plans do (before:
     27,136 B more alive at step 1, each region keeping its 22,784 B without a budget)."""
-    from sac_compile.live_bytes import LiveBytes
     model, inputs = _gpt()
     apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=20000)
-    alive = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        with LiveBytes() as meter:
-            torch.manual_seed(0)
-            loss = loss_fn(model(*inputs))
-            meter.mark("backward")
-            loss.backward()
-        alive.append(meter.at("backward"))
-    assert alive[0] == alive[1] == 24708, alive
+    assert _alive_when_backward_starts(model, inputs) == [24708, 24708]
 
 
 def test_an_unreachable_whole_model_budget_names_the_fix():
@@ -138,16 +143,6 @@ def test_the_first_call_of_a_region_budget_is_within_it_when_backward_starts(fra
     """A budget of each region's own (a fraction): its first call plans at the region's exit
     and drops what the plan does not keep there, so the bytes alive when backward starts
     (LiveBytes) are those of every later call."""
-    from sac_compile.live_bytes import LiveBytes
     model, inputs = _gpt()
     apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=fraction)
-    seen = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        with LiveBytes() as meter:
-            torch.manual_seed(0)
-            loss = loss_fn(model(*inputs))
-            meter.mark("backward")
-            loss.backward()
-        seen.append(meter.at("backward"))
-    assert seen == [alive, alive]
+    assert _alive_when_backward_starts(model, inputs) == [alive, alive]
