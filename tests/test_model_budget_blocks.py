@@ -126,3 +126,23 @@ def test_per_block_budget_out_of_reach_names_the_budget():
     _compile_per_block(model, [])
     with pytest.raises(CheckpointError, match="for the whole model"):
         model(torch.randn(2, 8, 32))
+
+
+def test_the_budget_is_part_of_a_regions_cache_key():
+    """A split made under one budget is never served from the compile caches for another:
+    the budget is in the region's cache hash; blocks of a model of several kinds bypass
+    the caches until the price is found (their partitions record the kinds' networks),
+    unless one graph holds all of them."""
+    from sac_compile.budgets import ModelBudget, RegionBudget, budget_cache_text
+    from sac_compile.compiler.cache_keys import region_cache_hash
+    texts = [budget_cache_text(RegionBudget(b)) for b in (0.5, 0.3, 4096)]
+    assert len({region_cache_hash("region", "b", POLICY, False, False, t) for t in texts}) == 3
+    assert region_cache_hash("region", "b", POLICY, False, False, "none") == \
+        region_cache_hash("region", "b", POLICY, False, False)   # no budget: as before
+    two = ModelBudget(BUDGET, ("a", "b"), ("k1", "k2"))
+    assert budget_cache_text(RegionBudget(BUDGET, two, "k1")) is None
+    assert "whole graph" in budget_cache_text(RegionBudget(BUDGET, two, "k1"), whole=True)
+    two.kind_share = {"k1": 4096.0, "k2": 2048.0}
+    assert "share=4096.0" in budget_cache_text(RegionBudget(BUDGET, two, "k1"))
+    one = ModelBudget(BUDGET, ("a", "b"), ("k", "k"))
+    assert "share=even" in budget_cache_text(RegionBudget(BUDGET, one, "k"))
