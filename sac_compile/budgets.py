@@ -126,9 +126,10 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
             return text + f"|model of {len(model.members)}|whole graph"
         with model.lock:
             shares = model.kind_share
+            pending = budget.kind in model.rekey  # (until then: the even split)
         if shares is None and len(set(model.kinds)) > 1:
             return None
-        share = "even" if shares is None else repr(shares.get(budget.kind))
+        share = "even" if shares is None or pending else repr(shares.get(budget.kind))
         text += f"|model of {len(model.members)}|kind={budget.kind}|share={share}"
     return text
 

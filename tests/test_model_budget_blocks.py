@@ -146,3 +146,32 @@ def test_the_budget_is_part_of_a_regions_cache_key():
     assert "share=4096.0" in budget_cache_text(RegionBudget(BUDGET, two, "k1"))
     one = ModelBudget(BUDGET, ("a", "b"), ("k", "k"))
     assert "share=even" in budget_cache_text(RegionBudget(BUDGET, one, "k"))
+
+
+def test_a_kind_compiled_again_before_its_new_token_stays_at_the_even_split():
+    """A backend per block (Dynamo compiles each block on its own): blocks 2.. of a kind
+    are compiled after the price was found at block 1, within step 1. They keep the even
+    split until the next call of the model gives their kind a new token, so step 1 never
+    mixes the two splits of a kind and stays within the budget."""
+    torch._dynamo.reset()
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{limit: 4 * N}):
+        _backend_per_block()
+
+
+def _backend_per_block():
+    reference, model = _models(kinds=2)
+    reports = []
+    for block in model.blocks:
+        block.compile(backend=make_backend(compiler="aot_eager", on_partition=reports.append),
+                      fullgraph=True)
+    x = torch.randn(2, 8, 32)
+    want = _grads(reference, x)
+    _check_grads(_grads(model, x), want)
+    assert len(reports) == N
+    assert all(_kept(r) <= BUDGET / N for r in reports)
+    assert sum(_kept(r) for r in reports) <= BUDGET
+    _check_grads(_grads(model, x), want)
+    assert sorted({_kept(r) for r in reports[N:]}) == [6144, 10496]
+    assert sum(_kept(r) for r in reports[N:]) == 99_840

@@ -73,7 +73,9 @@ def graph_cap(net: FlowNetwork, model: Any, by_name: dict[str, set[int]],
                 model.kind_share = found
                 model.kind_nets = {}  # (the networks hold their graphs)
                 model.rekey |= {k for k in model.provisional if abs(found[k] - even) >= 1}
-        if single or shares is None:
+        # A kind still waiting for its new token (BudgetStep) stays at the even split in
+        # any graph made before then: no step mixes the two splits of a kind.
+        if single or shares is None or set(kinds) & model.rekey:
             cap = even * len(by_name)
             how = (f"{len(set(model.kinds))} kinds: the even split until every kind was "
                    f"compiled (then the price per byte over the kinds; these blocks compile "
