@@ -5,12 +5,11 @@ Step 1 records: each region call's flow network is kept (no tensors) in the
 what the step has left, split evenly over the regions it has not run yet (identical blocks:
 the budget over their number, which is what the price gives them too). So step 1 keeps at
 most the budget as well, unless a region cannot keep as little as its part (said in its
-note). When the first region
-recorded runs again (the next step), one price per byte is found over all the recorded
-networks together (:func:`sac_compile.cut.shared_budget.solve_shared_price`), each
-region's plan is its cut at that price, and from then on every region applies its plan:
-no solve per step. A call whose ops or shapes match no plan starts a new recording step
-(a shape change re-solves).
+note). When the first region recorded runs again (the next step), one price per byte is
+found over all the recorded networks together
+(:func:`sac_compile.cut.shared_budget.solve_shared_price`), each region's plan is its cut
+at that price, and from then on every region applies its plan: no solve per step. A call
+whose ops or shapes match no plan starts a new recording step (a shape change re-solves).
 """
 from __future__ import annotations
 
@@ -71,9 +70,9 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
         cap = max(float(model.nbytes) - committed, 0.0) / left
         price = solve_shared_price([rg.net], cap, or_least=True)
         cut, free = price.cuts[0], price.unconstrained[0]
-        model.pending.append(_Recorded(
-            run.region, run.budget, signature, rg.net, dict(rg.where),
-            {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}, cut.nbytes))
+        labels = {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}
+        model.pending.append(_Recorded(run.region, run.budget, signature, rg.net,
+                                       dict(rg.where), labels, cut.nbytes))
     over = cut.nbytes > cap * (1 + 1e-9) + 1
     note = (f"whole-model memory budget {budget_label(model.nbytes)}: recording step; this "
             f"call keeps {cut.nbytes:,} B of its {free:,} B without a budget, within its part "
@@ -84,8 +83,7 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
             f"step has left ({int(cap):,} B), so this step may keep more than the budget")
     note += (f"; one price per byte over all {len(model.members)} regions is found when the "
              f"first region runs again")
-    dropped = _dropped(rg.net, cut.kept, rg.where,
-                       {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where},
+    dropped = _dropped(rg.net, cut.kept, rg.where, labels,
                        f"its part of the whole-model budget {budget_label(model.nbytes)} in "
                        f"the recording step")
     plan = plan_of_cut(rg, cut.kept, cut.on_host, signature, [note], dropped, cut.nbytes,
