@@ -8,9 +8,11 @@ start is each block's *kind* (:func:`sac_compile.budgets.module_kind`: class, pa
 shapes, submodules), so how many blocks of each kind the model has:
 
 * **One kind** (identical blocks, the common case): one price over N identical networks
-  gives each block the same share, the budget over N. The kind's one compiled graph is cut
-  at ``budget / N`` per block it holds (the exact program: the cheapest cut within it) -
-  one Dynamo compile, one partition, the total within the budget, at once.
+  switches them all at the same price, and blocks sharing one split cannot switch one at a
+  time (as :mod:`.shared_budget`'s regions do in the last price interval), so each block's
+  share is the budget over N. The kind's one compiled graph is cut at ``budget / N`` per
+  block it holds (the exact program: the cheapest cut within it) - one Dynamo compile, one
+  partition, the total within the budget, at once.
 * **Several kinds**: a kind's first graph is cut at the even split (``budget / N`` per
   block: the total is within the budget whatever the other kinds keep) and its network
   is recorded here. Once every kind was recorded, the price is found over them, each kind
@@ -80,7 +82,7 @@ def graph_cap(net: FlowNetwork, model: Any, by_name: dict[str, set[int]],
             how = (f"{len(set(model.kinds))} kinds: the even split until every kind was "
                    f"compiled (then the price per byte over the kinds; these blocks compile "
                    f"once more at their share)") if not single else \
-                "identical blocks: the price per byte gives each the same share"
+                "identical blocks, one split: each the same share"
             line = (f"whole-model memory budget {budget_label(model.nbytes)} over {n} blocks; "
                     f"this graph's {len(by_name)} at {budget_label(int(even))} each, "
                     f"{budget_label(int(cap))} ({how})")
