@@ -11,7 +11,8 @@ Two tables, one run (``python benchmarks/pareto.py --eager`` runs it too):
 2. **whole model vs per region at equal total bytes**: for each ``b``, the bytes the
    per-region budgets keep together, ``T``; then one budget of ``T`` bytes for all regions
    (``memory_budget=T``, one price per byte). Recompute FLOPs side by side: the whole-model
-   budget never recomputes more.
+   budget never recomputes more. The same ``T`` with each block compiled on its own
+   (identical blocks: each cut at ``T`` over their number, ``cut/model_price.py``).
 
 Dropout is off (0): on the CPU a recomputed dropout keeps its generator's 5 KiB state,
 which would dominate the test size. A PNG of table 1 (bytes against FLOPs, eager and
@@ -109,17 +110,21 @@ def main(argv: list[str] | None = None) -> int:
         points.append((b, kept, flops, ckept, cflops))
         print(f"{b:>7g}  {kept:>12,} {flops:>12,} {diff:>8.1e}  {ckept:>13,} {cflops:>14,} "
               f"{cdiff:>8.1e}")
-    print("\n2. whole model vs per region at equal total bytes (eager; recompute FLOPs)")
+    print("\n2. whole model vs per region at equal total bytes (eager; recompute FLOPs), and "
+          "the whole-model budget with each block compiled on its own")
     print(f"{'per-region b':>12}  {'total kept':>10} {'per-region FLOPs':>16}  "
-          f"{'whole-model kept':>16} {'whole-model FLOPs':>17} {'ratio':>6}")
+          f"{'whole-model kept':>16} {'whole-model FLOPs':>17} {'ratio':>6}  "
+          f"{'per-block compiled kept':>23} {'FLOPs':>9}")
     for b, (kept, flops) in totals.items():
         if kept < 2:
             continue
-        _, _, wkept, wflops, diff, notes = eager_point(args.size, int(kept), base_flops, ref,
-                                                       steps=3)
+        model, inputs, wkept, wflops, diff, notes = eager_point(
+            args.size, int(kept), base_flops, ref, steps=3)
+        ckept, cflops, cdiff = compiled_point(model, inputs, ref)
         ratio = f"{wflops / flops:.2f}" if flops else "-"
-        print(f"{b:>12g}  {kept:>10,} {flops:>16,}  {wkept:>16,} {wflops:>17,} {ratio:>6}"
-              f"   (grad diff {diff:.1e})")
+        print(f"{b:>12g}  {kept:>10,} {flops:>16,}  {wkept:>16,} {wflops:>17,} {ratio:>6}  "
+              f"{ckept:>23,} {cflops:>9,}   (grad diff {diff:.1e} eager, {cdiff:.1e} "
+              f"compiled)")
     _plot(points, Path(args.png), args.size)
     return 0
 

@@ -20,18 +20,33 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key", "proposed_budget"]
+__all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key", "proposed_budget",
+           "budget_cache_text", "module_kind"]
 
 
 class ModelBudget:
     """One byte budget shared by the regions ``apply_regions`` made: the price per byte
     (the Lagrange multiplier of :mod:`sac_compile.cut.budget`'s search) found once
-    over all of them, and each region's share. ``members``: the regions' names."""
+    over all of them, and each region's share. ``members``: the regions' names;
+    ``kinds``: each member's :func:`module_kind` (blocks of one kind share a compiled
+    graph; under per-block compiles the price is found over the kinds,
+    :mod:`sac_compile.cut.model_price`)."""
 
-    def __init__(self, nbytes: int, members: tuple[str, ...] = ()) -> None:
+    def __init__(self, nbytes: int, members: tuple[str, ...] = (),
+                 kinds: tuple[str, ...] | None = None) -> None:
         self.nbytes = nbytes
         self.members = members
+        self.kinds = kinds if kinds is not None else ("",) * len(members)
         self.lock = threading.RLock()
+        # Compiled graphs holding some of the members (cut/model_price.py): a kind's
+        # recorded network, the per-member shares at the price (None: not found yet), the
+        # kinds compiled at the even split before the price was known, and those to be
+        # compiled again at the next call of the model (region_groups.BudgetStep).
+        self.kind_nets: dict[str, Any] = {}
+        self.kind_share: dict[str, float] | None = None
+        self.provisional: set[str] = set()
+        self.rekey: set[str] = set()
+        self.recompiles = 0
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
         self.unconstrained: dict[str, int] = {}   # region name -> bytes without a budget
@@ -44,16 +59,25 @@ class ModelBudget:
         return f"ModelBudget({budget_label(self.nbytes)} for {len(self.members)} regions)"
 
     def __reduce__(self) -> Any:  # what it learnt is found again after loading
-        return (ModelBudget, (self.nbytes, self.members))
+        return (ModelBudget, (self.nbytes, self.members, self.kinds))
+
+    def count(self, kind: str) -> int:
+        """How many members are of ``kind``."""
+        return sum(1 for k in self.kinds if k == kind)
+
+    def kind_of(self, name: str) -> str:
+        return self.kinds[self.members.index(name)] if name in self.members else ""
 
 
 class RegionBudget:
     """A region's budget (``value``, as given to :func:`check_budget`) and, in eager mode,
     its decisions per recorded signature (``plans``: one solve per shape, reused)."""
 
-    def __init__(self, value: float | int, model: ModelBudget | None = None) -> None:
+    def __init__(self, value: float | int, model: ModelBudget | None = None,
+                 kind: str = "") -> None:
         self.value = value
         self.model = model
+        self.kind = kind  # a whole-model budget: the block's module_kind
         self.lock = threading.RLock()
         self.plans: dict[Any, Any] = {}
 
@@ -74,15 +98,54 @@ class RegionBudget:
         return self
 
     def __reduce__(self) -> Any:  # (a shared ModelBudget is pickled once: still shared)
-        return (RegionBudget, (self.value, self.model))
+        return (RegionBudget, (self.value, self.model, self.kind))
 
 
 def budget_key(budget: RegionBudget | None) -> str:
     if budget is None:
         return "none"
     kind = type(budget.value).__name__
-    model = f"|model={id(budget.model)}" if budget.model is not None else ""
+    model = f"|model={id(budget.model)}|kind={budget.kind}" if budget.model is not None \
+        else ""
     return f"{kind}:{budget.value!r}{model}"
+
+
+def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> str | None:
+    """What a compiled region's split depends on of its budget, for the compile caches
+    (the same in every process): the value; for a whole-model budget also the model's
+    size, the block's kind and its share at the price (or the even split before it).
+    None where the split must not come from a cache: a model of several kinds before its
+    price is found, whose partitions record the kinds' networks for it. ``whole``: the
+    graph holds all the model's regions (one cap over them, no share)."""
+    if budget is None:
+        return "none"
+    text = f"{type(budget.value).__name__}:{budget.value!r}"
+    model = budget.model
+    if model is not None:
+        if whole:
+            return text + f"|model of {len(model.members)}|whole graph"
+        with model.lock:
+            shares = model.kind_share
+            pending = budget.kind in model.rekey  # (until then: the even split)
+        if shares is None and len(set(model.kinds)) > 1:
+            return None
+        share = "even" if shares is None or pending else repr(shares.get(budget.kind))
+        text += f"|model of {len(model.members)}|kind={budget.kind}|share={share}"
+    return text
+
+
+def module_kind(module: Any) -> str:
+    """Blocks of one kind: the same class, parameters and buffers (names, shapes, dtypes)
+    and submodule classes. Identical blocks (a transformer's layers) are one kind: they
+    compile to one graph with one split. (Blocks whose ``forward`` branches on an
+    attribute may still compile to different graphs; each keeps at most its share.)"""
+    import hashlib
+    parts = [f"{type(module).__module__}.{type(module).__qualname__}"]
+    parts += [f"{n}:{type(m).__qualname__}" for n, m in module.named_modules()]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+              for n, p in module.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
 def region_budget(value: Any, *, what: str = "memory_budget",

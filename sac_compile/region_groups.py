@@ -49,7 +49,7 @@ from .policy_identity import policy_identity
 from .torch_internals import dynamo_recompile_limits
 
 __all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "split_by_name",
-           "members_of"]
+           "members_of", "BudgetStep"]
 
 log = logging.getLogger("sac_compile")
 
@@ -242,6 +242,59 @@ def split_by_name(group: RegionGroup) -> None:
                 "did not show; its regions (%s) now compile one graph per name (said once "
                 "per policy)", group.policy,
                 ", ".join(s.name for s in slots[:4]) + (", ..." if len(slots) > 4 else ""))
+
+
+class BudgetStep:
+    """A forward pre-hook on the model of a whole-model budget with blocks of several kinds
+    (``apply_regions``): a call of the model is a new step. Blocks compiled one by one
+    arrive one kind at a time, and each is first compiled at the even split of the budget
+    (:mod:`sac_compile.cut.model_price`); once every kind was compiled the price is known,
+    and here, at the start of the next step - never within a step, which would mix the two
+    splits - the kinds compiled before it get new tokens: Dynamo compiles each once more,
+    at its share (logged, counted in ``ModelBudget.recompiles``)."""
+
+    def __init__(self, budget: Any) -> None:
+        self.budget = budget
+
+    # A copy of the model shares the budget, as its regions' RegionBudgets do.
+    def __copy__(self) -> BudgetStep:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> BudgetStep:
+        return self
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
+            return None
+        budget = self.budget
+        if budget.rekey:
+            _rekey(budget)
+        return None
+
+
+def _rekey(model: Any) -> None:
+    """New tokens for the groups of ``model``'s kinds in ``model.rekey``."""
+    with model.lock:
+        kinds, model.rekey = set(model.rekey), set()
+        model.provisional -= kinds
+    with _LOCK:
+        groups = [g for g in dict.fromkeys(_GROUPS.values())
+                  if g.budget is not None and g.budget.model is model
+                  and g.budget.kind in kinds and g.slots]
+        for group in groups:
+            token = "sac:" + hashlib.sha256(
+                f"{group.token}|price={model.kind_share}".encode()).hexdigest()[:20]
+            _GROUPS[token] = group  # (the old token still finds it, for graphs that hold it)
+            group.token = token
+            for slot in group.slots:
+                slot.token = token
+        model.recompiles += len(groups)
+        _allow_recompiles()
+    if groups:
+        log.info("sac_compile: whole-model memory budget %r: the price per byte was found "
+                 "once every kind of block was compiled; %d kinds compiled at the even split "
+                 "before it are compiled once more, at their shares (%s)", model, len(groups),
+                 ", ".join(g.name for g in groups))
 
 
 _RAISED = [False]

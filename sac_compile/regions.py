@@ -16,8 +16,8 @@ from torch import nn
 
 from . import runtime
 from .module_regions import RegionConfig, wrap_module
-from .budgets import ModelBudget, RegionBudget, region_budget
-from .region_groups import frame_in_group
+from .budgets import ModelBudget, RegionBudget, module_kind, region_budget
+from .region_groups import BudgetStep, frame_in_group
 from .region_names import _check_target, _region_name
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
@@ -191,10 +191,16 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
                          f"or a predicate")
     budget = region_budget(memory_budget)
     names = [path or _region_name(module) for path, module in found]
-    shared = ModelBudget(budget.value, tuple(names)) \
+    kinds = tuple(module_kind(module) for _, module in found)
+    shared = ModelBudget(budget.value, tuple(names), kinds) \
         if budget is not None and not isinstance(budget.value, float) else None
-    for (path, module), region_name in zip(found, names):
-        own = RegionBudget(budget.value, shared) if budget is not None else None
+    if shared is not None and len(set(kinds)) > 1:
+        # Blocks compiled one by one find the price once every kind was compiled; the
+        # kinds compiled before it are compiled again at the next call of the model.
+        model.register_forward_pre_hook(BudgetStep(shared))
+    for (path, module), region_name, kind in zip(found, names, kinds):
+        own = RegionBudget(budget.value, shared, kind if shared is not None else "") \
+            if budget is not None else None
         sac_region(policy, name=region_name, allow_cache_entry_mutation=allow_cache_entry_mutation,
                    memory_budget=own)(module)
     return model

@@ -34,6 +34,7 @@ import torch
 
 from .. import graph_meta
 from ..policy_identity import hooks_key, policy_identity, policy_key
+from ..budgets import budget_cache_text
 from ..region_groups import group_of_token
 
 __all__ = ["policy_key", "hooks_key", "region_cache_hash", "annotate_regions",
@@ -43,13 +44,16 @@ log = logging.getLogger("sac_compile")
 
 
 def region_cache_hash(kind: str, name: str, policy: Any, allow: bool,
-                      by_name: bool = True) -> str | None:
-    """The region's hash for the caches, or None (then the graph bypasses them)."""
+                      by_name: bool = True, budget: str = "none") -> str | None:
+    """The region's hash for the caches, or None (then the graph bypasses them).
+    ``budget``: :func:`sac_compile.budgets.budget_cache_text` of its memory budget."""
     key = policy_key(policy)
     if key is None:
         return None
     named = name if by_name else "<any>"
     text = f"sac_compile {kind} region {named!r} allow={allow} policy={key}"
+    if budget != "none":  # (the text of regions without a budget is as it was)
+        text += f" budget={budget}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -59,6 +63,7 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
     from .regions_compiled import context_fn_kind
 
     annotated = 0
+    whole = _whole_models(gm)
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
@@ -66,9 +71,12 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
         kind = context_fn_kind(context_fn)
         if kind is None or hasattr(context_fn, "cache_hash"):
             continue  # not ours (torch's caching rules apply), or done already
+        budget: str | None = "none"
         if kind == "region":
             group = group_of_token(context_fn.args[0])
             name, policy, allow, by_name = group.name, group.policy, group.allow, group.by_name
+            budget = budget_cache_text(group.budget, whole=group.budget is not None and
+                                       id(group.budget.model) in whole)
         else:
             name, policy = context_fn.args[:2]
             allow, by_name = bool(context_fn.args[2:3] and context_fn.args[2]), True
@@ -76,7 +84,11 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             _say_bypassed(name, "a tag(..., SaveWithHooks) in it has hooks with no stable "
                                 "identity; use module-level functions for pack and unpack")
             continue
-        digest = region_cache_hash(kind, name, policy, allow, by_name)
+        if budget is None:
+            _say_bypassed(name, "its whole-model memory budget's price is not found yet (its "
+                                "partitions record the blocks' networks for it)")
+            continue
+        digest = region_cache_hash(kind, name, policy, allow, by_name, budget)
         if digest is None:
             why = policy_identity(policy, cached=False).why_not
             _say_bypassed(name, f"its policy {policy!r} reads {why}")
@@ -87,6 +99,26 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
 
 
 _SAID_BYPASSED: set[str] = set()
+
+
+def _whole_models(gm: torch.fx.GraphModule) -> set[int]:
+    """The whole-model budgets (by ``id``) all of whose regions are in ``gm``: their split
+    is one cap over the graph, which depends on no other graph."""
+    from .regions_compiled import context_fn_kind
+    names: dict[int, set[str]] = {}
+    models = {}
+    for module in gm.modules():
+        context_fn = graph_meta.checkpoint_context_fn(module) \
+            if isinstance(module, torch.fx.GraphModule) else None
+        if context_fn_kind(context_fn) != "region":
+            continue
+        group = group_of_token(context_fn.args[0])
+        model = group.budget.model if group.budget is not None else None
+        if model is not None:
+            name = context_fn.args[1] if len(context_fn.args) > 1 else group.name
+            names.setdefault(id(model), set()).add(name)
+            models[id(model)] = model
+    return {key for key, model in models.items() if names[key] >= set(model.members)}
 
 
 def _say_bypassed(name: str, why: str) -> None:

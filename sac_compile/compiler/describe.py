@@ -128,7 +128,7 @@ def _budget_label(cut: Cut) -> str:
 def _region_budget_notes(facts: RegionBudgetFacts) -> list[str]:
     lines = [f"{g.label}, {g.values} values, cap {fmt_bytes(g.cap)} (least "
              f"{fmt_bytes(g.least)}, unconstrained {fmt_bytes(g.most)}); keeps "
-             f"{fmt_bytes(g.kept)}" for g in facts.groups]
+             f"{fmt_bytes(g.kept)}" for g in facts.groups] + facts.price_notes
     return lines + [f"{s.label}: shares " + ", ".join(f"{name} {fmt_bytes(b)}"
                                                       for name, b in s.shares.items())
                     for s in facts.shares]

@@ -12,5 +12,7 @@ both solve it with this code (the same decisions, the same errors).
 * :mod:`.budget` - the search for the cut that meets a memory budget.
 * :mod:`.region_budgets` - torch's per-region budgets, honoured per region.
 * :mod:`.shared_budget` - one price per byte over several regions (a whole-model budget).
+* :mod:`.model_price` - a whole-model budget over graphs that each hold some of its blocks
+  (blocks compiled one by one): the blocks' kinds, the even split, the price over kinds.
 * :mod:`.exact` - the exact program (scipy's MILP) that makes a budgeted cut optimal.
 """

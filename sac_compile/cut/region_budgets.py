@@ -45,6 +45,8 @@ class BudgetGroup:
     nodes: list[fx.Node]
     torch_meaning: bool = True
     model: Any = None        # a whole-model budget (sac_compile.budgets.ModelBudget)
+    partial: bool = False    # the graph holds some of the model's blocks (.model_price)
+    graph_cap: Any = None    # then its cap, found once per graph: (bytes, even split, line)
 
     def cap(self, least: float, most: float) -> float:
         if self.torch_meaning:
@@ -78,6 +80,9 @@ class GroupShares:
 class RegionBudgetFacts:
     groups: list[GroupFigures]   # groups with something to keep, in order
     shares: list[GroupShares]
+    # a whole-model budget's blocks compiled one by one: how this graph's cap was found
+    # (worded by cut/model_price.py, which prices across graphs)
+    price_notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def torch_global_budget() -> float | None:
@@ -132,8 +137,8 @@ def region_budget_annotations(nodes: list[fx.Node], global_fraction: float | Non
 def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
     """``sac_region(memory_budget=...)``: one group per region call with a budget (the
     tagging mode writes ``meta["sac_region_budgets"]``); a whole-model budget
-    (``apply_regions(..., memory_budget=bytes)``) is one group over all its regions, which
-    must all be in this graph."""
+    (``apply_regions(..., memory_budget=bytes)``) is one group over all its regions in this
+    graph (``partial`` when the graph holds only some of them)."""
     from ..budgets import RegionBudget
     from .budget import budget_label
     groups: dict[object, BudgetGroup] = {}
@@ -153,18 +158,10 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
             groups[key].nodes.append(v)
             names[key].add(name)
     for key, group in groups.items():
-        model = group.model
-        missing = sorted(set(model.members) - names[key]) if model is not None else []
-        if missing:
-            raise CompiledCheckpointError(
-                f"sac_compile: the whole-model memory budget {budget_label(model.nbytes)} of "
-                f"apply_regions covers {len(model.members)} regions, but this compiled graph "
-                f"holds {len(names[key])} of them (missing {', '.join(missing[:4])}"
-                f"{', ...' if len(missing) > 4 else ''}): under torch.compile one byte budget "
-                f"for several graphs cannot be split without them. To fix: compile the whole "
-                f"model as one graph (no graph break between the blocks), or give each region "
-                f"its own budget (apply_regions(..., memory_budget=0.5) or "
-                f"sac_region(policy, memory_budget=...)), or run the model eagerly")
+        # Some of a whole-model budget's blocks (per-block compiles): the graph's cap comes
+        # from the blocks' kinds and the price over them (model_price.py).
+        group.partial = group.model is not None and bool(set(group.model.members) -
+                                                         names[key])
     return list(groups.values())
 
 
@@ -196,6 +193,7 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                            if i in members)
 
     group_caps, figures, capped = [], [], set()
+    extra: list[str] = []  # a whole-model budget's blocks in this graph (model_price.py)
     fits = cap_all is None or base.nbytes <= cap_all
     w_min = 1e-9
     for group in groups:
@@ -203,6 +201,15 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         if not members:
             continue
         most = group_bytes(base.kept, base.w, base.recomputed, members)
+        even = False
+        if group.partial:
+            from .model_price import graph_cap
+            if group.graph_cap is None:  # (not again for the peak floor's second solve)
+                group.graph_cap = graph_cap(net, group.model,
+                                            _by_region(group, idx, members), solver)
+            cap_bytes, even, line = group.graph_cap
+            group.fraction = int(cap_bytes)
+            extra.append(line)
         edges = []
         for u, v, c in net.capacities(w_min, TILT):
             i = u // 2
@@ -213,6 +220,11 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
         least = group_bytes(low.kept, low.w, low.recomputed, members)
         cap = group.cap(least, most)
+        if even and least > cap:  # the even split before the price: what it can
+            extra.append(f"{group.label}: the least these blocks can keep, "
+                         f"{fmt_bytes(least)}, is above the even split "
+                         f"{fmt_bytes(cap)}; they keep it until the price is found")
+            cap = least
         if least > cap * (1 + 1e-9) + 1:  # (torch's meaning: never, cap >= least)
             _unreachable(net, group, low, members, cap, least, most)
         fits = fits and most <= cap
@@ -227,7 +239,7 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                            base.nbytes, base.nbytes, 1.0, [], 1, time.perf_counter() - t0,
                            base.on_host, "unconstrained cut", base.cost, base.cost)
         kept_of = lambda m: group_bytes(base.kept, base.w, base.recomputed, m)  # noqa: E731
-        return res, _facts(figures, groups, idx, kept_of)
+        return res, _facts(figures, groups, idx, kept_of, extra)
     # Without our graph-wide cap, values under no cap keep their price (a byte each).
     priced = [] if cap_all is not None else [
         i for i in range(len(net.cls.nodes)) if i not in capped and _is_activation(net, i)]
@@ -264,7 +276,21 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                        "exact program (MILP" + (", optimal)" if sol.optimal else
                                                 ", time limit)"),
                        sol.cost, sol.cost, lifted)
-    return res, _facts(figures, groups, idx, sol_bytes)
+    return res, _facts(figures, groups, idx, sol_bytes, extra)
+
+
+def _by_region(group: BudgetGroup, idx: dict[fx.Node, int], members: set[int]
+               ) -> dict[str, set[int]]:
+    """The indices of each of the group's regions' values among ``members``."""
+    by_region: dict[str, set[int]] = {}
+    for v in group.nodes:
+        i = idx.get(v)
+        if i is None or i not in members:
+            continue
+        for _, name, budget in graph_meta.region_budgets(v):
+            if budget.model is group.model:
+                by_region.setdefault(name, set()).add(i)
+    return by_region
 
 
 def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
@@ -281,7 +307,12 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
                     if budget.model is group.model:
                         by_region.setdefault(name, set()).add(idx[v])
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}
-        group.model.shares.update(shares)
+        model = group.model
+        model.shares.update(shares)
+        if group.partial:  # a kind's graph serves every block of its kind
+            model.shares.update({m: shares[name] for name in shares for m, k in
+                                 zip(model.members, model.kinds)
+                                 if k == model.kind_of(name) and m not in by_region})
         out.append(GroupShares(group.label, shares))
     return out
 
@@ -299,7 +330,9 @@ def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[in
 
 
 def _facts(figures: list[tuple[GroupFigures, set[int]]], groups: list[BudgetGroup],
-           idx: dict[fx.Node, int], kept_of: Callable[[set[int]], float]) -> RegionBudgetFacts:
+           idx: dict[fx.Node, int], kept_of: Callable[[set[int]], float],
+           price_notes: list[str]) -> RegionBudgetFacts:
     """Each group's figures with the bytes the chosen cut keeps of it, and the shares."""
     return RegionBudgetFacts([dataclasses.replace(g, kept=kept_of(set(members)))
-                              for g, members in figures], _shares(groups, idx, kept_of))
+                              for g, members in figures], _shares(groups, idx, kept_of),
+                             price_notes)

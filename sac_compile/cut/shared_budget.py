@@ -33,10 +33,11 @@ class SharedPrice:
 
 
 def solve_shared_price(nets: Sequence[FlowNetwork], cap: float,
-                       solver: str | None = None) -> SharedPrice:
+                       solver: str | None = None, *, or_least: bool = False) -> SharedPrice:
     """The largest ``w`` at which the cuts of all ``nets`` together keep at most ``cap``
-    device bytes of activations. ``ValueError`` (with the least reachable total in its
-    message) when even the least each can keep is above ``cap``."""
+    device bytes of activations. When even the least each can keep is above ``cap``:
+    ``ValueError`` (with the least reachable total in its message), or with ``or_least``
+    the cuts that keep the least (``total`` then above ``cap``)."""
     from .exact import ExactProblem, objective
 
     problems = [ExactProblem.from_network(net) for net in nets]
@@ -63,6 +64,8 @@ def solve_shared_price(nets: Sequence[FlowNetwork], cap: float,
     low = cuts_at(w_min)
     least = [c.nbytes for c in low]
     if sum(least) > cap:
+        if or_least:
+            return SharedPrice(w_min, low, sum(least), unconstrained, least, solves)
         err = ValueError(f"the least the regions can keep together is {sum(least):,} B")
         err.least_bytes = sum(least)  # type: ignore[attr-defined]  (for the caller's fix)
         err.unconstrained_bytes = sum(unconstrained)  # type: ignore[attr-defined]

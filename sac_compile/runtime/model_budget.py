@@ -1,13 +1,15 @@
 """A whole-model budget in eager mode (``apply_regions(..., memory_budget="2GiB")``).
 
-Step 1 records: each region call is cut as without a budget and its flow network is kept
-(no tensors) in the :class:`~sac_compile.budgets.ModelBudget`. When the first region
-recorded runs again (the next step), one price per byte is found over all the recorded
-networks together (:func:`sac_compile.cut.shared_budget.solve_shared_price`), each
-region's plan is its cut at that price, and from then on every region applies its plan:
-no solve per step. A call whose ops or shapes match no plan starts a new recording step
-(a shape change re-solves). The first step keeps what the regions keep without a budget:
-the report says so.
+Step 1 records: each region call's flow network is kept (no tensors) in the
+:class:`~sac_compile.budgets.ModelBudget`, and the call is cut at its part of the budget:
+what the step has left, split evenly over the regions it has not run yet (identical blocks:
+the budget over their number, which is what the price gives them too). So step 1 keeps at
+most the budget as well, unless a region cannot keep as little as its part (said in its
+note). When the first region recorded runs again (the next step), one price per byte is
+found over all the recorded networks together
+(:func:`sac_compile.cut.shared_budget.solve_shared_price`), each region's plan is its cut
+at that price, and from then on every region applies its plan: no solve per step. A call
+whose ops or shapes match no plan starts a new recording step (a shape change re-solves).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class _Recorded:
     net: Any                                        # the region call's FlowNetwork
     where: dict[fx.Node, tuple[int, int]]
     labels: dict[fx.Node, str]                      # for the values a plan may drop
+    kept: int = 0                                   # device bytes its recording plan keeps
 
 
 def on_region_entry(budget: RegionBudget, region: str) -> None:
@@ -47,11 +50,13 @@ def on_region_entry(budget: RegionBudget, region: str) -> None:
 
 
 def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
-    """The plan of a call no stored plan matches: its cut without a budget, recorded for
-    the next price (a new recording step if a price was already found)."""
+    """The plan of a call no stored plan matches, in a recording step: its cut under the
+    rest of the budget split evenly over the regions the step has not run yet (so the step
+    keeps at most the budget), recorded for the price found when the step is over (a new
+    recording step if a price was already found)."""
     from ..cut import costs
     from ..cut.budget import budget_label
-    from ..cut.solvers import solve
+    from ..cut.shared_budget import solve_shared_price
     model = run.budget.model
     with model.lock:
         if model.weight is not None:  # new shapes or ops: record a new step
@@ -59,19 +64,42 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
             model.pending = []
             model.notes = [f"region {run.region!r} ran ops or shapes no plan matched: the "
                            f"price is found again after this step"]
-        model.pending.append(_Recorded(
-            run.region, run.budget, signature, rg.net, dict(rg.where),
-            {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}))
-    from ..cut.budget import _activation_bytes
-    saved, _ = solve(rg.net)
-    nbytes = _activation_bytes(rg.net, saved)
-    note = (f"whole-model memory budget {budget_label(model.nbytes)}: recording step (this "
-            f"call keeps what it keeps without a budget, {nbytes:,} B); the price per byte "
-            f"over all {len(model.members)} regions is found when the first region runs again")
-    plan = plan_of_cut(rg, saved, rg.net.offloaded(saved), signature, [note], [], nbytes,
-                       nbytes, float(model.nbytes))
+        committed = sum(r.kept for r in model.pending)
+        seen = {r.region for r in model.pending}
+        left = max(1, len(set(model.members) - seen))
+        cap = max(float(model.nbytes) - committed, 0.0) / left
+        price = solve_shared_price([rg.net], cap, or_least=True)
+        cut, free = price.cuts[0], price.unconstrained[0]
+        labels = {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}
+        model.pending.append(_Recorded(run.region, run.budget, signature, rg.net,
+                                       dict(rg.where), labels, cut.nbytes))
+    over = cut.nbytes > cap * (1 + 1e-9) + 1
+    note = (f"whole-model memory budget {budget_label(model.nbytes)}: recording step; this "
+            f"call keeps {cut.nbytes:,} B of its {free:,} B without a budget, within its part "
+            f"of what the step has left ({int(cap):,} B: {max(int(model.nbytes - committed), 0):,}"
+            f" B over {left} region{'s' if left > 1 else ''} not yet run)" if not over else
+            f"whole-model memory budget {budget_label(model.nbytes)}: recording step; this "
+            f"call keeps {cut.nbytes:,} B, the least it can keep, above its part of what the "
+            f"step has left ({int(cap):,} B), so this step may keep more than the budget")
+    note += (f"; one price per byte over all {len(model.members)} regions is found when the "
+             f"first region runs again")
+    dropped = _dropped(rg.net, cut.kept, rg.where, labels,
+                       f"its part of the whole-model budget {budget_label(model.nbytes)} in "
+                       f"the recording step")
+    plan = plan_of_cut(rg, cut.kept, cut.on_host, signature, [note], dropped, cut.nbytes,
+                       free, cap)
     plan.final = False  # not stored: the region's plan comes with the price
     return plan
+
+
+def _dropped(net: Any, kept: list[fx.Node], where: dict[fx.Node, tuple[int, int]],
+             labels: dict[fx.Node, str], why: str) -> list[tuple[int, int, int, str]]:
+    """``(op number, output, bytes, why)`` of each value the cut without a budget keeps
+    and ``kept`` does not."""
+    have = set(kept)
+    return [(where[v][0], where[v][1], int(net.save_cost[net.cls.index[v]]),
+             f"{labels.get(v, v.name)}: recomputed in backward to meet {why}")
+            for v in _kept_unconstrained(net) if v not in have and v in where]
 
 
 def _solve(model: ModelBudget) -> None:
@@ -106,11 +134,8 @@ def _solve(model: ModelBudget) -> None:
             f"per byte, w = {price.weight:.3g}, {price.solves} solves")
     for rec, cut, free in zip(pending, price.cuts, price.unconstrained):
         rg = RegionGraph(None, rec.net, rec.where, {})
-        kept = set(cut.kept)
-        dropped = [(rec.where[v][0], rec.where[v][1], int(rec.net.save_cost[rec.net.cls.index[v]]),
-                    f"{rec.labels.get(v, v.name)}: recomputed in backward to meet the "
-                    f"whole-model budget {budget_label(model.nbytes)}")
-                   for v in _kept_unconstrained(rec.net) if v not in kept and v in rec.where]
+        dropped = _dropped(rec.net, cut.kept, rec.where, rec.labels,
+                           f"the whole-model budget {budget_label(model.nbytes)}")
         note = f"{head}; this call's share {cut.nbytes:,} B of its {free:,} B without it"
         plan = plan_of_cut(rg, cut.kept, cut.on_host, rec.signature, [note], dropped,
                            cut.nbytes, free, float(model.nbytes))
