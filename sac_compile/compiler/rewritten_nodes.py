@@ -1,0 +1,89 @@
+"""Nodes an Inductor joint-graph pass created inside one of our regions get that region back.
+
+Inductor runs its joint-graph passes before any partitioner (``compile_fx.partition_fn``),
+and its pattern matcher copies only torch's keys (``torch.fx.proxy._COPY_META_FIELDS``:
+``recompute``, ``ac_graph_id``, ...) to the nodes of a replacement. ``replace_random``
+turns a region's dropout draw (``aten.rand``, from the ``native_dropout`` decomposition)
+into ``prims.inductor_lookup_seed`` + ``prims.inductor_random``: they carry the region's
+``recompute`` and torch's ``ac_graph_id``, none of our keys. Taken for torch's own
+checkpoint region (``adopt_torch_tags``), they were a region call of their own, and the
+region-boundary floor (:mod:`.boundaries`) saw the random draw as another region's value
+read by the mask's recompute: ``recompute_all`` kept every 512 B dropout mask instead of
+recomputing it from its 8 B seed (GPT fixture: modelled peak 62.0 KiB, 61.0 recomputing).
+
+:func:`adopt_rewritten_nodes` runs before ``adopt_torch_tags``: a node with ``recompute``
+and no decision of ours, whose ``ac_graph_id`` only one call of our regions has, joins that
+call (region ids and path) with the decision of the nearest node of that call it feeds (or
+else reads) whose ``recompute`` is the same - the op the rewritten node was part of.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch.fx as fx
+
+from .tagging import write_decision
+
+__all__ = ["adopt_rewritten_nodes"]
+
+_CALL_KEYS = ("sac_region_id", "sac_outer_region_id")
+_OP_KEYS = ("sac_call", "sac_op")  # shared with the source when it is the same dispatched op
+
+
+def _call_of(node: fx.Node) -> tuple[Any, Any] | None:
+    if "sac_decision" not in node.meta or "sac_region_id" not in node.meta:
+        return None
+    return node.meta["sac_region_id"], node.meta["sac_outer_region_id"]
+
+
+def adopt_rewritten_nodes(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """See the module docstring. Returns the graph and how many nodes joined a region."""
+    calls: dict[Any, set[tuple[Any, Any]]] = defaultdict(set)  # ac_graph_id -> our calls
+    for n in gm.graph.nodes:
+        call = _call_of(n)
+        if call is not None and "ac_graph_id" in n.meta:
+            calls[n.meta["ac_graph_id"]].add(call)
+    if not calls:
+        return gm, 0
+    changed = 0
+    for node in reversed(list(gm.graph.nodes)):  # users first: a chain joins link by link
+        if node.op != "call_function" or "sac_decision" in node.meta or \
+                "recompute" not in node.meta:
+            continue
+        ours = calls.get(node.meta.get("ac_graph_id"), set())
+        if len(ours) != 1:
+            continue  # torch's own region, or ambiguous: adopt_torch_tags decides
+        source = _source(node, next(iter(ours)))
+        if source is None:
+            continue
+        for key in _CALL_KEYS:
+            node.meta[key] = source.meta[key]
+        if node.meta.get("original_aten") is not None and \
+                node.meta.get("original_aten") == source.meta.get("original_aten"):
+            node.meta.update((k, source.meta[k]) for k in _OP_KEYS if k in source.meta)
+        write_decision(node, source.meta["sac_decision"], source.meta["sac_region_path"])
+        changed += 1
+    return gm, changed
+
+
+def _source(node: fx.Node, call: tuple[Any, Any]) -> fx.Node | None:
+    """The nearest node of region call ``call`` with the same ``recompute`` as ``node``:
+    among its users (through other rewritten nodes), else its inputs."""
+    want = node.meta["recompute"]
+    for step in (lambda n: list(n.users), lambda n: n.all_input_nodes):
+        seen, frontier = {node}, step(node)
+        while frontier:
+            nxt: list[fx.Node] = []
+            for n in frontier:
+                if n in seen:
+                    continue
+                seen.add(n)
+                if _call_of(n) == call:
+                    if n.meta.get("recompute") == want:
+                        return n
+                elif "sac_decision" not in n.meta and "recompute" in n.meta and \
+                        n.meta.get("ac_graph_id") == node.meta.get("ac_graph_id"):
+                    nxt.extend(step(n))  # another rewritten node of the same region
+            frontier = nxt
+    return None
