@@ -14,7 +14,8 @@ recomputing it from its 8 B seed (GPT fixture: modelled peak 62.0 KiB, 61.0 reco
 :func:`adopt_rewritten_nodes` runs before ``adopt_torch_tags``: a node with ``recompute``
 and no decision of ours, whose ``ac_graph_id`` only one call of our regions has, joins that
 call (region ids and path) with the decision of the nearest node of that call it feeds (or
-else reads) whose ``recompute`` is the same - the op the rewritten node was part of.
+else reads) whose ``recompute`` and ``original_aten`` are the same - the op the rewritten
+node was part of. Anything else is left to ``adopt_torch_tags`` as before.
 """
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ __all__ = ["adopt_rewritten_nodes"]
 
 _CALL_KEYS = ("sac_region_id", "sac_outer_region_id")
 _OP_KEYS = ("sac_call", "sac_op")  # shared with the source when it is the same dispatched op
+
+
+def _aten(node: fx.Node) -> str | None:
+    """The op the node came from, by name (two OpOverload objects of one op can differ)."""
+    op = node.meta.get("original_aten")
+    return None if op is None else str(op)
 
 
 def _call_of(node: fx.Node) -> tuple[Any, Any] | None:
@@ -59,8 +66,7 @@ def adopt_rewritten_nodes(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             continue
         for key in _CALL_KEYS:
             node.meta[key] = source.meta[key]
-        if node.meta.get("original_aten") is not None and \
-                node.meta.get("original_aten") == source.meta.get("original_aten"):
+        if _aten(node) is not None and _aten(node) == _aten(source):
             node.meta.update((k, source.meta[k]) for k in _OP_KEYS if k in source.meta)
         write_decision(node, source.meta["sac_decision"], source.meta["sac_region_path"])
         changed += 1
@@ -68,9 +74,10 @@ def adopt_rewritten_nodes(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
 
 
 def _source(node: fx.Node, call: tuple[Any, Any]) -> fx.Node | None:
-    """The nearest node of region call ``call`` with the same ``recompute`` as ``node``:
-    among its users (through other rewritten nodes), else its inputs."""
-    want = node.meta["recompute"]
+    """The nearest node of region call ``call`` with the same ``recompute`` as ``node`` (and
+    the same ``original_aten``, the op a decomposition or rewrite came from, where ``node``
+    has one): among its users (through other rewritten nodes), else its inputs."""
+    want, aten = node.meta["recompute"], _aten(node)
     for step in (lambda n: list(n.users), lambda n: n.all_input_nodes):
         seen, frontier = {node}, step(node)
         while frontier:
@@ -80,7 +87,8 @@ def _source(node: fx.Node, call: tuple[Any, Any]) -> fx.Node | None:
                     continue
                 seen.add(n)
                 if _call_of(n) == call:
-                    if n.meta.get("recompute") == want:
+                    if n.meta.get("recompute") == want and \
+                            (aten is None or _aten(n) == aten):
                         return n
                 elif "sac_decision" not in n.meta and "recompute" in n.meta and \
                         n.meta.get("ac_graph_id") == node.meta.get("ac_graph_id"):
