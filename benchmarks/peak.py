@@ -15,15 +15,13 @@ and the GPT fixture (``make_model("gpt")``). Figures:
 * Inductor: its own peak estimate of the backward graph (``torch._inductor.memory``'s log:
   the best of its reorderings), when ``--inductor``.
 
-    python benchmarks/peak.py [--quick] [--inductor]
+    python benchmarks/peak.py [--quick] [--inductor [--no-distant-fusion]]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
-import logging
-import re
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch.utils.checkpoint as tuc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fixtures.inductor_memory import inductor_estimates, no_distant_fusion  # noqa: E402
 from fixtures.measure import TORCH_SAVE_MATMUL_OPS, step_peak  # noqa: E402
 from fixtures.models import loss_fn, make_model  # noqa: E402
 from fixtures.stack import Stack, stack_inputs  # noqa: E402
@@ -104,43 +103,17 @@ def _run(case: str, strategy: str, policy: str, backend) -> dict:
     return {"kept": meter.at("backward"), "peak": meter.peak("backward")}
 
 
-@contextlib.contextmanager
-def _inductor_estimates():
-    """Inductor's logged peak estimates (the best reordering of each graph), in order."""
-    found: list[int] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            msg = record.getMessage()
-            m = re.match(r"(Baseline|\w+) peak memory: (\d+)", msg)
-            if m:
-                if m.group(1) == "Baseline":
-                    found.append(int(m.group(2)))
-                else:
-                    found[-1] = min(found[-1], int(m.group(2)))
-
-    log = logging.getLogger("torch._inductor.memory")
-    handler, level, propagate = Grab(), log.level, log.propagate
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False  # read, not printed
-    try:
-        yield found
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
-def _inductor_bw(case: str, strategy: str, policy: str) -> int | None:
-    """Inductor's peak estimate of the backward graph (the last graph it compiles)."""
+def _inductor_bw(case: str, strategy: str, policy: str, near_fusion: bool = False) -> int | None:
+    """Inductor's peak estimate of the backward graph (the last graph it compiles);
+    ``near_fusion``: with :func:`no_distant_fusion`."""
     from torch._inductor import config
     torch.manual_seed(0)
     model = _Model(case, strategy, policy)
     budget = 0.5 if policy == "budget" else None
     backend = make_backend(memory_budget=budget) if strategy == "ours" else "inductor"
     torch._dynamo.reset()
-    with _inductor_estimates() as found, config.patch(force_disable_caches=True):
+    fusion = no_distant_fusion() if near_fusion else contextlib.nullcontext()
+    with inductor_estimates() as found, config.patch(force_disable_caches=True), fusion:
         fn = torch.compile(model, backend=backend)
         step_peak(fn, list(model.parameters()), model.inputs)
     return found[-1] if found else None
@@ -150,6 +123,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the stack traversed once only")
     ap.add_argument("--inductor", action="store_true", help="also Inductor's own estimate")
+    ap.add_argument("--no-distant-fusion", action="store_true",
+                    help="Inductor's estimate with kernels more than 64 nodes apart not fused "
+                         "(torch's unused are_long_distant_nodes heuristic)")
     args = ap.parse_args()
     cases = ["stack"] if args.quick else ["stack", "stack x2", "gpt"]
     policies_ = ["recompute_all", "save_matmuls", "budget"]
@@ -172,8 +148,10 @@ def main() -> None:
                     f"{ours['peak'] / eager['peak']:>9.2f}x "
                     f"{ours['peak'] / theirs['peak']:>9.2f}x")
             if args.inductor:
-                t = _inductor_bw(case, "torch", policy if policy != "budget" else "save_matmuls")
-                o = _inductor_bw(case, "ours", policy)
+                near = args.no_distant_fusion
+                t = _inductor_bw(case, "torch", policy if policy != "budget" else "save_matmuls",
+                                 near)
+                o = _inductor_bw(case, "ours", policy, near)
                 line += f"  {_kib(t or 0)} / {_kib(o or 0)}"
             print(line, flush=True)
     print("\neager ckpt: eager torch.utils.checkpoint (recompute_all) or torch SAC (matmuls) "

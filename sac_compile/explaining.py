@@ -163,14 +163,21 @@ class _OutsideBytes:
 
 def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> PartitionReport:
     from .live_bytes import LiveBytes
-    from .runtime import collect_stats
+    from .runtime import active_recorder, collect_stats
     outside = _OutsideBytes(_param_storages(fn))
-    meter = LiveBytes()  # the peak: kept values, the replays' and the backward's own
+
+    def region_of() -> str:  # the innermost region running now (forward), else none
+        recorder = active_recorder()
+        return recorder.frames[-1].name if recorder is not None else ""
+
+    # the peak: kept values, the replays' and the backward's own, by region
+    meter = LiveBytes(region_of=region_of)
     with collect_stats() as stats, meter:
         with torch.autograd.graph.saved_tensors_hooks(outside.pack, outside.unpack):
             out = fn(*args, **kwargs)
         meter.mark("backward")
-        counter = _RecomputeFlops(stats, on_replay=lambda: meter.relabel_last("recomputed"))
+        counter = _RecomputeFlops(stats, on_replay=lambda: meter.relabel_last(
+            "recomputed", stats.recomputed_regions[-1]))
         with counter:
             _backward_of(out, on_grads=meter.exclude)  # leaves' gradients are autograd's
         counter.settle()
@@ -179,7 +186,7 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
     report.saved = [SavedTensorRecord(r.name, r.op, r.nbytes, r.reason, region=r.region,
                                       must=r.must) for r in stats.saved]
     report.recomputed = list(stats.recomputed_ops)
-    report.recomputed_regions = ["?"] * len(report.recomputed)
+    report.recomputed_regions = list(stats.recomputed_regions)
     report.recompute_flops = counter.flops
     report.estimated_labels = counter.estimated
     report.outside_bytes = outside.nbytes
@@ -192,15 +199,18 @@ def _explain_eager(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Partiti
 
 
 def _measured_peak(meter: Any) -> MemoryPeak:
-    """A run's :class:`MemoryPeak` from its :class:`~sac_compile.live_bytes.LiveBytes`
-    (regions are not told apart at run time: every kind's region is ``""``)."""
+    """A run's :class:`MemoryPeak` from its :class:`~sac_compile.live_bytes.LiveBytes`: what
+    is alive at the peak by kind and by the innermost region that made it (forward) or
+    replayed it (``""``: outside every region, or the backward's own values), ordered as
+    the compiled report orders them."""
     forward, backward = meter.peak("forward"), meter.peak("backward")
     phase = "backward" if backward >= forward else "forward"
     order = ("forward", "kept", "recomputed", "backward")
-    kinds = meter.at_peak(phase)
+    groups = meter.at_peak_by_region(phase)
     return MemoryPeak(forward, backward, phase, "", tuple(
-        (k, "", kinds[k]) for k in sorted(kinds, key=lambda k: order.index(k)
-                                          if k in order else len(order))))
+        (kind, region, n) for (kind, region), n in sorted(
+            groups.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order
+                                            else len(order), -kv[1], kv[0][1]))))
 
 
 def _mark_parameters(report: PartitionReport, params: set[str]) -> PartitionReport:

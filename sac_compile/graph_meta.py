@@ -78,6 +78,7 @@ AUTOGRAD_BACKWARD = "autograd_backward"
 DESC = "desc"
 NN_MODULE_STACK = "nn_module_stack"
 SHOULD_OFFLOAD = "should_offload"
+ORIGINAL_ATEN = "original_aten"  # the ATen op a decomposition or rewrite came from
 # Where Dynamo leaves a checkpoint's ``context_fn`` on the region's body graph module
 # (torch's own ``tag_activation_checkpoint`` reads it there; verified on torch 2.11 and 2.13).
 # We read it to name regions and key caches. If renamed: regions share one name and the
@@ -328,3 +329,17 @@ def checkpoint_context_fn(module: Any) -> Any:
 
 def set_checkpoint_context_fn(module: fx.GraphModule, value: Any) -> None:
     module.meta[CHECKPOINT_CONTEXT_FN] = value
+
+
+def original_aten(node: fx.Node) -> Any:
+    """The ATen op the node's decomposition or rewrite came from (None when unknown)."""
+    return node.meta.get(ORIGINAL_ATEN)
+
+
+def copy_call(node: fx.Node, source: fx.Node, *, same_op: bool) -> None:
+    """Give ``node`` ``source``'s region call (its region ids) and, when it is part of the
+    same dispatched op (``same_op``), its call and op keys too."""
+    for key in (REGION_ID, OUTER_REGION_ID):
+        node.meta[key] = source.meta[key]
+    if same_op:
+        node.meta.update((k, source.meta[k]) for k in (CALL, OP) if k in source.meta)

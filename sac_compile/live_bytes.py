@@ -6,7 +6,9 @@ that sees every storage an ATen op creates and a finalizer that sees it freed.
 forward kept included), ``meter.at("backward")`` the bytes alive when it began, and
 ``meter.at_peak("backward")`` what was alive at that peak, by the phase that made it
 (a storage made in an earlier phase is ``kept``; :meth:`LiveBytes.relabel_last` names the
-storages of the latest op otherwise, e.g. ``recomputed``).
+storages of the latest op otherwise, e.g. ``recomputed``); ``meter.at_peak_by_region``
+the same by (kind, region), where ``LiveBytes(region_of=...)`` names the region that makes
+each storage (``""``: none) and ``relabel_last`` may rename it.
 
 What counts: a storage is *new* when an op returns a tensor whose storage is none of the
 op's inputs' storages (a view or an in-place op creates nothing); it counts from that op
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,8 +50,10 @@ class LiveBytes(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self) -> None:
+    def __init__(self, region_of: Callable[[], str] | None = None) -> None:
         super().__init__()
+        self._region_of = region_of
+        self._regions: dict[int, str] = {}         # serial -> the region that made it
         self._serials = itertools.count()
         self._live: dict[int, int] = {}            # storage_key -> serial
         self._sizes: dict[int, int] = {}           # serial -> bytes
@@ -78,6 +82,8 @@ class LiveBytes(TorchDispatchMode):
         self._live[key] = serial
         self._sizes[serial] = st.nbytes()
         self._kinds[serial] = self._phase
+        if self._region_of is not None:
+            self._regions[serial] = self._region_of()
         self._latest.append(serial)
         self._events.append((serial, 1))
         weakref.finalize(st, self._freed, key, serial)
@@ -92,10 +98,13 @@ class LiveBytes(TorchDispatchMode):
         self._marks[phase] = len(self._events)
         self._phase = phase
 
-    def relabel_last(self, kind: str) -> None:
-        """The storages the latest op made are ``kind`` (a replayed op: ``recomputed``)."""
+    def relabel_last(self, kind: str, region: str | None = None) -> None:
+        """The storages the latest op made are ``kind`` (a replayed op: ``recomputed``),
+        and made by ``region`` when given."""
         for serial in self._latest:
             self._kinds[serial] = kind
+            if region is not None:
+                self._regions[serial] = region
 
     def exclude(self, tensors: Iterable[Any]) -> None:
         """Never count the storages of these tensors (still alive now), past or future."""
@@ -130,6 +139,14 @@ class LiveBytes(TorchDispatchMode):
     def at_peak(self, phase: str | None = None) -> dict[str, int]:
         """Bytes alive at ``phase``'s peak by kind: the phase that made each storage (made
         in an earlier phase: ``kept``), or what :meth:`relabel_last` named it."""
+        out: dict[str, int] = {}
+        for (kind, _), n in self.at_peak_by_region(phase).items():
+            out[kind] = out.get(kind, 0) + n
+        return out
+
+    def at_peak_by_region(self, phase: str | None = None) -> dict[tuple[str, str], int]:
+        """:meth:`at_peak` by (kind, region): the region ``region_of`` named when the
+        storage was made, or :meth:`relabel_last`'s (``""``: none, or not asked)."""
         lo, hi = self._span(phase)
         curve = self._curve()
         at = max(range(lo, hi + 1), key=lambda i: (curve[i], -i))
@@ -137,12 +154,13 @@ class LiveBytes(TorchDispatchMode):
         for serial, sign in self._events[:at]:
             if serial not in self._excluded:
                 (live.add if sign > 0 else live.discard)(serial)
-        out: dict[str, int] = {}
+        out: dict[tuple[str, str], int] = {}
         start = self._marks.get(phase, 0) if phase is not None else 0
         earlier = {serial for serial, sign in self._events[:start] if sign > 0}
         for serial in sorted(live):
             kind = "kept" if phase is not None and serial in earlier else self._kinds[serial]
-            out[kind] = out.get(kind, 0) + self._sizes[serial]
+            key = (kind, self._regions.get(serial, ""))
+            out[key] = out.get(key, 0) + self._sizes[serial]
         return out
 
     def at(self, phase: str) -> int:

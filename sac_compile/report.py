@@ -74,8 +74,8 @@ class MemoryPeak:
     parameters, and the gradients handed back to autograd (the backward's outputs).
     ``at_peak``: what is alive at the peak, as ``(kind, region, bytes)``: kind ``forward``,
     ``kept`` (handed from forward to backward), ``recomputed``, ``backward`` (gradients and
-    the backward's own working values); region ``""`` outside every region or not known
-    (gradients; every value in eager mode, measured at run time)."""
+    the backward's own working values); region: the innermost region that made the value
+    (eager: ran or replayed its op), ``""`` outside every region or not known (gradients)."""
 
     forward: int                   # the forward's peak
     backward: int                  # the backward's peak
@@ -182,8 +182,10 @@ class PartitionReport:
     def recomputed_ops(self) -> Counter:
         return Counter(self.recomputed)
 
-    def snapshot(self) -> str:
-        """Deterministic text: saved values in graph order, recomputed ops counted."""
+    def snapshot(self, *, peak: bool = False) -> str:
+        """Deterministic text: saved values in graph order, recomputed ops counted; with
+        ``peak``, the peak line last (:meth:`MemoryPeak.line`; compile: a graph walk,
+        deterministic; eager: a run-time count)."""
         lines = [f"saved {fmt_bytes(self.saved_bytes)}, recomputed {len(self.recomputed)} ops "
                  f"({self.recompute_flops} FLOPs)"]
         if self.memory_budget is not None:
@@ -202,6 +204,8 @@ class PartitionReport:
         estimated = self.cost_estimated
         if estimated:
             lines.append(f"  cost estimated (no FLOP formula): {', '.join(estimated)}")
+        if peak and self.peak is not None:
+            lines.append(f"  {self.peak.line()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

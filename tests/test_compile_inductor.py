@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
-from sac_compile import CheckpointPolicy, policies, sac_region
+from sac_compile import policies, sac_region
 from sac_compile.compiler import SACPartitioner, sac_backend
 
 
@@ -28,23 +28,18 @@ def test_sac_backend_mlp_gradients():
     assert sac_backend  # the module-level backend is reusable
 
 
-def _recompute_dropout(ctx, op, *args, **kwargs):
-    # MUST: the cut would otherwise keep the 512 B masks, costing a recomputed random op
-    # its generator state (5,056 B on the CPU) where Inductor needs only its 8 B seed.
-    return CheckpointPolicy.MUST_RECOMPUTE if "dropout" in str(op) else None
-
-
 @pytest.mark.slow
 def test_custom_partitioner_fn_with_dropout_matches_inductor_without_checkpointing():
     """Recomputed dropout reproduces the forward's mask: Inductor seeds its random ops
-    before our partitioner runs, so gradients equal Inductor without checkpointing."""
+    before our partitioner runs, so gradients equal Inductor without checkpointing. Plain
+    recompute_all recomputes the masks from their seeds (no MUST_RECOMPUTE needed)."""
     reports = []
     grads = {}
     for label in ("plain", "sac"):
         model, inputs = make_model("gpt", size="test", seed=0)
         if label == "sac":
             for block in model.blocks:
-                sac_region(_recompute_dropout)(block)
+                sac_region(policies.recompute_all)(block)
             ctx = torch._inductor.config.patch(
                 custom_partitioner_fn=SACPartitioner(on_partition=reports.append))
         else:
@@ -54,8 +49,60 @@ def test_custom_partitioner_fn_with_dropout_matches_inductor_without_checkpointi
             torch.manual_seed(0)
             loss_fn(compiled(*inputs)).backward()
         grads[label] = grads_of(model, inputs)
-    assert reports and any("inductor_random" in op for op in reports[0].recomputed)
+    assert reports and [op for op in reports[0].recomputed if "inductor_random" in op] == \
+        ["prims.inductor_random.default"] * 4
+    assert not [r for r in reports[0].saved if r.op == "aten.gt.Scalar"]
     assert max_grad_diff(grads["plain"], grads["sac"]) <= 1e-5
+
+
+def _inductor_joint_passes_then_ours(on_partition):
+    """Inductor's joint-graph passes (replace_random, ...) and decompositions, then our
+    partitioner, as compile_fx runs them, without Inductor's code generation."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    def partition(gm, joint_inputs, **kwargs):
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return partition_fn(gm, joint_inputs, **kwargs)
+
+    def nop(gm, _):
+        return make_boxed_func(gm.forward)
+
+    return (torch._inductor.config.patch(custom_partitioner_fn=SACPartitioner(
+                on_partition=on_partition)),
+            aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition,
+                         decompositions=select_decomp_table()))
+
+
+def test_recompute_all_recomputes_inductor_seeded_dropout_from_its_seeds():
+    """Inductor's replace_random rewrites a region's dropout draw into inductor_lookup_seed
+    + inductor_random, which carried only torch's keys: taken for a region call of their
+    own, the region-boundary floor kept every 512 B mask. They now join their region:
+    each mask is recomputed from its 8 B seed (kept 4,256 B, was 6,272; modelled peak
+    62,480 B, was 63,488)."""
+    torch._dynamo.reset()
+    reports = []
+    model, inputs = make_model("gpt", size="test", seed=0)
+    for block in model.blocks:
+        sac_region(policies.recompute_all)(block)
+    patch, backend = _inductor_joint_passes_then_ours(reports.append)
+    with patch:
+        torch.manual_seed(0)
+        loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
+    (report,) = reports
+    random = [(op, region) for op, region in zip(report.recomputed, report.recomputed_regions)
+              if "inductor_random" in op]
+    assert random == [("prims.inductor_random.default", "GPTBlock")] * 4
+    kept = sorted((r.op, r.nbytes) for r in report.saved if not r.is_input)
+    assert [k for k in kept if k[0] == "aten.gt.Scalar"] == []
+    assert kept.count(("prims.inductor_lookup_seed.default", 8)) == 4
+    assert report.activation_bytes == 4256
+    assert report.peak.backward == 62480
+    torch._dynamo.reset()
 
 
 def test_no_dropout_gpt_matches_eager():

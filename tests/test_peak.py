@@ -104,6 +104,12 @@ def test_explain_eager_and_compiled_report_the_same_peak():
     assert eager.by_kind().keys() == compiled.by_kind().keys() == {"kept", "recomputed",
                                                                    "backward"}
     assert abs(eager.by_kind()["recomputed"] - compiled.by_kind()["recomputed"]) == 0
+    # and by region: each block's kept input (64 KiB, made by the block before), the last
+    # block's replay (578 KiB) - the innermost region that made or replayed each value
+    by_region = [(k, r, n) for k, r, n in eager.at_peak if r]
+    assert by_region == [(k, r, n) for k, r, n in compiled.at_peak if r]
+    assert by_region == [("kept", f"blocks.{i}", 65536) for i in range(5)] + \
+        [("recomputed", "blocks.5", 591872)]
 
 
 class TestPeakSnapshot(expecttest.TestCase):
@@ -125,6 +131,25 @@ class TestPeakSnapshot(expecttest.TestCase):
         peak = sc.explain(f, x, w, mode="compile").peak
         self.assertExpectedInline(peak.line(), """peak 2.0 KiB in backward after relu (aten.relu.default) (forward 2 KiB, backward 2.0 KiB): recomputed 2 KiB (R 2 KiB); backward 4 B""")
         assert (peak.forward, peak.backward) == (2048, 2052)
+
+    def test_snapshot_with_the_peak(self):
+        """snapshot(peak=True) ends with the peak line (the hand count above); without it,
+        snapshots are as before."""
+        @sc.sac_region("recompute_all", name="R")
+        def f(x, w):
+            return torch.relu(x @ w).sum()
+
+        x = torch.randn(8, 16, requires_grad=True)
+        w = torch.randn(16, 32, requires_grad=True)
+        report = sc.explain(f, x, w, mode="compile")
+        self.assertExpectedInline(report.snapshot(peak=True), """\
+saved 2.5 KiB, recomputed 2 ops (8192 FLOPs)
+  save input 512 B: input
+  save input 2 KiB: input
+  recompute aten.mm.default x1
+  recompute aten.relu.default x1
+  peak 2.0 KiB in backward after relu (aten.relu.default) (forward 2 KiB, backward 2.0 KiB): recomputed 2 KiB (R 2 KiB); backward 4 B""")
+        assert report.snapshot(peak=True).startswith(report.snapshot() + "\n  peak ")
 
 
 def test_report_lists_what_the_final_backward_recomputes():

@@ -4,6 +4,8 @@
 cut, :func:`normalize_tags` runs these passes, in this order (``PASSES``); each takes the
 joint graph and returns it, rewritten in place, with the number of nodes it changed:
 
+0. :func:`~.rewritten_nodes.adopt_rewritten_nodes` - nodes an Inductor joint-graph pass
+   made from an op of our region (torch's keys only) join that region call.
 1. :func:`adopt_torch_tags` - tags written by torch's own caching mode (plain
    ``torch.utils.checkpoint`` SAC) become decisions: region ``'checkpoint'``, source
    ``policy``. Before 2: a tag() in such a region folds into that decision.
@@ -54,6 +56,7 @@ from ..torch_internals import OpOverload
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import Role, node_role
 from ..tensor_memory import is_view_op
+from .rewritten_nodes import adopt_rewritten_nodes
 from .tagging import reraise_compiled, write_decision
 
 __all__ = ["normalize_tags", "PASSES", "adopt_torch_tags", "fold_markers",
@@ -367,7 +370,7 @@ def drop_tracing_metadata(gm: fx.GraphModule) -> PassResult:
 
 
 PASSES: tuple[Callable[[fx.GraphModule], PassResult], ...] = (
-    adopt_torch_tags, fold_markers, share_decisions_with_getitems,
+    adopt_rewritten_nodes, adopt_torch_tags, fold_markers, share_decisions_with_getitems,
     propagate_to_decompositions, carry_view_storage_to_bases, tag_views_like_their_base,
     drop_tracing_metadata)
 

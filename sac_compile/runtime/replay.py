@@ -388,6 +388,7 @@ def _replay(node: OpNode) -> list[Any]:
                 f"in shape or dtype. Make the policy save this op (MUST_SAVE)")
     for stats in node.ctx.stats:
         stats.recomputed_ops.append(op_name(node.op))
+        stats.recomputed_regions.append(node.frames[-1].name if node.frames else "")
         stats.track_replayed(outputs)
     return outputs
 

@@ -32,6 +32,7 @@ class EagerStats:
     def __init__(self) -> None:
         self.saved: list[SavedValueRecord] = []
         self.recomputed_ops: list[str] = []
+        self.recomputed_regions: list[str] = []  # per replayed op: its innermost region
         self.ops_recorded = 0
         self.decisions: list[tuple[str, Decision]] = []
         # Memory budgets (sac_region/apply_regions memory_budget): one line per plan, and

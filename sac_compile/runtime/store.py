@@ -104,7 +104,8 @@ def saved_records(node: OpNode, seen: set[int]) -> list[SavedValueRecord]:
         seen.add(key)
         records.append(SavedValueRecord(f"{op_name(node.op)}#{node.seq}:{i}", op_name(node.op),
                                         size, node.decision.reason(), node.region,
-                                        node.decision.label))
+                                        node.decision.label,
+                                        node.decision.is_must and node.decision.hooks is None))
     return records
 
 
