@@ -55,7 +55,7 @@ def test_gradient_parity(model_name, case):
     assert max_grad_diff(ref, got) <= 1e-5
 
 
-def test_must_save_is_saved_and_must_recompute_is_not():
+def test_must_save_is_saved_and_must_recompute_is_not(capture):
     def policy(ctx, op, *args, **kwargs):
         if op is aten.mm.default:
             return CP.MUST_SAVE
@@ -67,39 +67,37 @@ def test_must_save_is_saved_and_must_recompute_is_not():
     def block(x, w):
         return (x @ w).sin().cos() @ w
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(16, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     ops = {r.op: r.reason for r in report.saved}
     assert ops["aten.mm.default"] == "MUST_SAVE by policy in region 'Block'"
     assert "aten.sin.default" not in ops
     assert "aten.sin.default" in report.recomputed
 
 
-def test_prefer_recompute_overridden_when_saving_is_cheaper():
+def test_prefer_recompute_overridden_when_saving_is_cheaper(capture):
     # y is tiny; recomputing it would need the big input x kept for backward.
     @sac_region("recompute_all", name="Reduce")
     def block(x, w):
         return (x.sin().sum(-1) * w).exp()
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(64, 1024)
     w = torch.ones(64, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     reasons = [r.reason for r in report.saved if not r.is_input]
     assert "PREFER_RECOMPUTE overridden: saving 256 B is cheaper than recomputing from 256 KiB" \
         in reasons, reasons
     assert report.saved_bytes < 64 * 1024 * 4
 
 
-def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value():
+def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value(capture):
     def policy(ctx, op, *args, **kwargs):
         return CP.MUST_SAVE if op is aten.mm.default else CP.PREFER_SAVE
 
@@ -109,13 +107,12 @@ def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value():
         z = y * 2
         return y.sin() + z.sin()
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(32, 32, requires_grad=True)
     w = torch.randn(32, 32, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     saved_ops = report.saved_ops
     assert saved_ops["aten.mm.default"] == 1
     assert "aten.mul.Tensor" not in saved_ops  # recomputed from the saved mm: cheaper
@@ -153,12 +150,11 @@ def test_torch_sac_context_fn_and_full_ac():
             assert mm_saved[0].reason == "MUST_SAVE by policy in region 'checkpoint'"
 
 
-def test_untagged_graph_goes_to_upstream():
-    reports = []
+def test_untagged_graph_goes_to_upstream(capture):
     fn = torch.compile(lambda x: (x.sin() @ x).cos().sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     fn(torch.randn(8, 8, requires_grad=True)).backward()
-    assert reports[0].solver == "upstream"
+    assert capture.reports[0].solver == "upstream"
 
 
 def test_solvers_agree():

@@ -133,14 +133,12 @@ def test_a_policy_reading_the_region_name_decides_per_layer_without_a_recompile_
     assert len(even) == len(odd) == 5
 
 
-def test_a_whole_model_compile_reports_each_block_by_its_own_name():
+def test_a_whole_model_compile_reports_each_block_by_its_own_name(capture):
     model = Stack(3)
     sc.apply_regions(model, policies.save_matmuls, where=Block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                          on_partition=reports.append))
+    compiled = torch.compile(model, backend=capture.backend())
     _grads(compiled, torch.randn(4, 16))
-    (report,) = reports
+    (report,) = capture.reports
     regions = {rec.region for rec in report.saved if rec.region}
     assert regions == {"layers.0", "layers.1", "layers.2"}
 
@@ -187,7 +185,7 @@ def test_a_wrapped_model_saves_loads_and_trains_the_same(policy):
         torch.testing.assert_close(a, b)
 
 
-def test_a_region_made_inside_compiled_code_compiles_and_is_exact():
+def test_a_region_made_inside_compiled_code_compiles_and_is_exact(capture):
     """sac_region applied while Dynamo traces: the identity rule does not run in traced
     code; the region passes its name and policy as constants instead of a group token."""
     def saves_mm(ctx, op, *args, **kwargs):
@@ -201,11 +199,9 @@ def test_a_region_made_inside_compiled_code_compiles_and_is_exact():
     body(x, w).sum().backward()
     expected = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    reports = []
     compiled = torch.compile(lambda x, w: sc.sac_region(saves_mm, name="Made")(body)(x, w).sum(),
-                             backend=make_backend(compiler="aot_eager",
-                                                  on_partition=reports.append))
+                             backend=capture.backend())
     compiled(x, w).backward()
     torch.testing.assert_close((x.grad, w.grad), expected)
-    assert len(reports) == 1
-    assert {r.region for r in reports[0].saved if r.op == "aten.mm.default"} == {"Made"}
+    assert len(capture.reports) == 1
+    assert {r.region for r in capture.reports[0].saved if r.op == "aten.mm.default"} == {"Made"}

@@ -334,7 +334,7 @@ def test_random_op(mode, decision):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_outplace_and_inplace_op(inplace):
+def test_outplace_and_inplace_op(inplace, capture):
     # The policy sees the op as called: sigmoid or sigmoid_ (both modes).
     x, w = _inputs()
     target = aten.sigmoid_.default if inplace else aten.sigmoid.default
@@ -357,13 +357,10 @@ def test_outplace_and_inplace_op(inplace):
         region(*[t.detach().clone().requires_grad_() for t in (x, w)]).sum().backward()
     assert dict(stats.decisions)[str(target)].policy is CP.MUST_SAVE
     seen.clear()
-    reports = []
-    torch._dynamo.reset()
-    compiled = torch.compile(region, backend=make_backend(compiler="aot_eager",
-                                                          on_partition=reports.append))
+    compiled = torch.compile(region, backend=capture.backend())
     _assert_same(fn, compiled, x, w)
     assert target in seen
-    assert "aten.sigmoid.default" not in reports[0].recomputed
+    assert "aten.sigmoid.default" not in capture.reports[0].recomputed
 
 
 class _ScaledMM(torch.autograd.Function):
