@@ -19,8 +19,6 @@ import sys
 import pytest
 import torch
 
-from fixtures.capture import Captured
-
 
 def _compiled_autograd_left_on() -> list[str]:
     """What of compiled autograd a test left switched on: ``compiled_autograd._enable``
@@ -60,5 +58,6 @@ def fresh_dynamo(request: pytest.FixtureRequest):
 
 
 @pytest.fixture
-def capture() -> Captured:
+def capture():
+    from fixtures.capture import Captured  # (imports the compiler: only where a test asks)
     return Captured()
