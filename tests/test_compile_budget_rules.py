@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.capture import capturing_backend as _capture
+from fixtures.capture import Captured, capturing_backend as _capture
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
 from sac_compile.compiler import CostModel, make_backend
@@ -20,12 +20,11 @@ def _gpt(policy, budget, **options):
     model, inputs = _gpt_without_dropout()
     for block in model.blocks:
         sac_region(policy)(block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(
-        compiler="aot_eager", memory_budget=budget, on_partition=reports.append, **options))
+    cap = Captured()
+    compiled = torch.compile(model, backend=cap.backend(memory_budget=budget, **options))
     torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
-    return reports[0], grads_of(model, inputs)
+    return cap.reports[0], grads_of(model, inputs)
 
 
 def _gpt_without_dropout():

@@ -8,10 +8,11 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from fixtures.capture import Captured
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
-from sac_compile.compiler import SACPartitioner, make_backend
+from sac_compile.compiler import SACPartitioner
 from sac_compile.cut.network import CostModel
 
 aten = torch.ops.aten
@@ -26,13 +27,12 @@ def _wrap_blocks(model, policy, *, outer=None):
 
 
 def _compiled_grads(model, inputs, seed=0):
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                         on_partition=reports.append))
+    cap = Captured()
+    compiled = torch.compile(model, backend=cap.backend())
     torch.manual_seed(seed)
     loss_fn(compiled(*inputs)).backward()
     grads = grads_of(model, inputs)
-    return grads, reports
+    return grads, cap.reports
 
 
 POLICY_CASES = {
@@ -139,12 +139,11 @@ def test_torch_sac_context_fn_and_full_ac():
         body(x, w).sum().backward()
         ref = (x.grad.clone(), w.grad.clone())
         x.grad = w.grad = None
-        reports = []
-        torch.compile(fn, backend=make_backend(compiler="aot_eager",
-                                               on_partition=reports.append))(x, w).backward()
+        cap = Captured()
+        torch.compile(fn, backend=cap.backend())(x, w).backward()
         assert torch.allclose(x.grad, ref[0]) and torch.allclose(w.grad, ref[1])
         x.grad = w.grad = None
-        mm_saved = [r for r in reports[0].saved if r.op == "aten.mm.default"]
+        mm_saved = [r for r in cap.reports[0].saved if r.op == "aten.mm.default"]
         assert bool(mm_saved) == expect_mm_saved
         if expect_mm_saved:
             assert mm_saved[0].reason == "MUST_SAVE by policy in region 'checkpoint'"
@@ -163,13 +162,12 @@ def test_solvers_agree():
     _wrap_blocks(model, policies.save_matmuls)
     saved = {}
     for solver in ("networkx", "scipy"):
-        reports = []
+        cap = Captured()
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=make_backend(
-            compiler="aot_eager", solver=solver, on_partition=reports.append))
+        compiled = torch.compile(model, backend=cap.backend(solver=solver))
         torch.manual_seed(0)
         loss_fn(compiled(*inputs)).backward()
-        saved[solver] = (reports[0].saved_bytes, reports[0].recompute_flops)
+        saved[solver] = (cap.reports[0].saved_bytes, cap.reports[0].recompute_flops)
     assert saved["networkx"] == saved["scipy"]
 
 
