@@ -85,7 +85,6 @@ def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile(capt
         torch.compile(lambda x, w: block(x, w), backend=capture.backend())(x, w).sum().backward()
     (saved,) = [r for r in capture.report.saved if not r.is_input]
     assert (saved.op, saved.nbytes, saved.region) == ("aten.mm.default", 4 * 8 * 4, "tagged")
-    assert saved.reason.startswith("MUST_SAVE")
 
 
 def test_packet_in_an_op_list_policy_matches_every_overload():
