@@ -31,34 +31,22 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixtures.capture import capturing_backend  # noqa: E402
-from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff  # noqa: E402
-from sac_compile import apply_regions, policies  # noqa: E402
-from sac_compile.runtime import collect_stats  # noqa: E402
+from fixtures.budget_model import POLICY, budget_model, budget_step, compile_blocks  # noqa: E402
+from fixtures.models import max_grad_diff  # noqa: E402
+from sac_compile import apply_regions  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-POLICY = policies.relaxed(policies.save_matmuls)
 
 
 def _model(size: str):
-    model, inputs = make_model("gpt", size=size, seed=0)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model, inputs
+    return budget_model("gpt", size)
 
 
 def _step(model, inputs):
     """One step: (regions' kept bytes, backward FLOPs, gradients, budget notes)."""
-    for p in model.parameters():
-        p.grad = None
-    inputs[0].grad = None
-    with collect_stats() as stats:
-        torch.manual_seed(0)
-        out = model(*inputs)
-    with FlopCounterMode(display=False) as fc:
-        loss_fn(out).backward()
-    return stats.saved_bytes, fc.get_total_flops(), grads_of(model, inputs), stats.budget_notes
+    fc = FlopCounterMode(display=False)
+    stats, grads = budget_step(model, inputs, backward=fc)
+    return stats.saved_bytes, fc.get_total_flops(), grads, stats.budget_notes
 
 
 def no_ac(size: str):
@@ -76,12 +64,7 @@ def eager_point(size: str, budget, base_flops: int, ref: dict, steps: int = 2):
 
 
 def compiled_point(model, inputs, ref: dict):
-    torch._dynamo.reset()
-    caps = []
-    for block in model.blocks:
-        backend, cap = capturing_backend()
-        block.compile(backend=backend)
-        caps.append(cap)
+    caps = compile_blocks(model)
     _, _, grads, _ = _step(model, inputs)
     kept = sum(s.nbytes for c in caps for s in c.report.saved if not s.is_input and s.region)
     flops = sum(c.report.recompute_flops for c in caps)

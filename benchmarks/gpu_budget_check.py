@@ -7,13 +7,10 @@ import sys
 
 import torch
 
-from fixtures.capture import capturing_backend
-from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
-from sac_compile import apply_regions, policies
+from fixtures.budget_model import POLICY, budget_model, compile_blocks
+from fixtures.models import grads_of, loss_fn, max_grad_diff, reference_grads
+from sac_compile import apply_regions
 from sac_compile.runtime import collect_stats
-
-POLICY = policies.relaxed(policies.save_matmuls)
-
 
 CUDA = torch.cuda.is_available()
 
@@ -50,21 +47,13 @@ def main(size: str) -> None:
     dev = "cuda" if CUDA else "cpu"
     print(torch.__version__, torch.cuda.get_device_name() if CUDA else "cpu", size)
     for budget in (None, 1.0, 0.5, 0.3):
-        model, inputs = make_model("gpt", size=size, seed=0, device=dev)
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
+        model, inputs = budget_model("gpt", size, device=dev)
         ref = reference_grads(model, inputs, 0)
         apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=budget)
         step(model, inputs)
         stats, held, peak, grads = step(model, inputs)
         eager = sum(r.nbytes for r in stats.saved)
-        torch._dynamo.reset()
-        caps = []
-        for block in model.blocks:
-            backend, cap = capturing_backend()
-            block.compile(backend=backend)
-            caps.append(cap)
+        caps = compile_blocks(model)
         _, _, cpeak, cgrads = step(model, inputs)
         comp = sum(s.nbytes for c in caps for s in c.report.saved if not s.is_input)
         print(f"budget={budget}: eager kept {eager:,} B (held after forward {held:,} B, peak "

@@ -183,7 +183,19 @@ class Compose(PolicyValue):
 
 
 def compose(*policies: PolicyLike) -> Compose:
-    """The first policy with an opinion (not ``None``) decides."""
+    """The first policy with an opinion (not ``None``) decides.
+
+    >>> import torch
+    >>> from sac_compile import explain, sac_region
+    >>> from sac_compile.policies import compose, save_ops
+    >>> policy = compose(save_ops(torch.ops.aten.mm.default), "recompute_all")
+    >>> policy
+    compose(save_ops(aten.mm.default), recompute_all)
+    >>> block = sac_region(policy, name="block")(lambda x, w: (x @ w).sin().sin())
+    >>> report = explain(block, torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+    >>> [record.op for record in report.saved], report.recomputed  # mm kept, sin replayed
+    (['aten.mm.default'], ['aten.sin.default'])
+    """
     return Compose(tuple(normalize_policy(p) for p in policies))
 
 

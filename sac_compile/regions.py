@@ -41,6 +41,18 @@ class sac_region:  # noqa: N801 - used like a decorator/context manager, as torc
 
     A class, a generator function or an async function is a ``TypeError`` (calling it
     would run no tensor code inside the region).
+
+    >>> import torch
+    >>> from sac_compile import policies, sac_region
+    >>> def mlp(x, w):
+    ...     return (x @ w).relu() @ w
+    >>> block = sac_region(policies.save_matmuls, name="block")(mlp)
+    >>> x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    >>> block(x, w).sum().backward()
+    >>> with_region, w.grad = w.grad, None
+    >>> mlp(x, w).sum().backward()  # the same gradients as without checkpointing
+    >>> torch.equal(with_region, w.grad)
+    True
     """
 
     def __init__(self, policy: PolicyLike = "recompute_all", *, name: str | None = None,
@@ -217,7 +229,18 @@ def _check_tensor(what: str, tensor: Any) -> None:
 
 
 def tag(tensor: torch.Tensor, policy: CheckpointPolicy | SaveWithHooks | bool) -> torch.Tensor:
-    """Decide for the op that produced ``tensor`` (the innermost opinion); returns ``tensor``."""
+    """Decide for the op that produced ``tensor`` (the innermost opinion); returns ``tensor``.
+
+    >>> import torch
+    >>> from sac_compile import CheckpointPolicy, explain, sac_region, tag
+    >>> @sac_region("recompute_all", name="block")
+    ... def block(x, w):
+    ...     h = tag(x @ w, CheckpointPolicy.MUST_SAVE)  # kept, though the region recomputes
+    ...     return h.sin().sin()
+    >>> report = explain(block, torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+    >>> [(record.op, record.nbytes) for record in report.saved], report.recomputed
+    ([('aten.mm.default', 128)], ['aten.sin.default'])
+    """
     _check_tensor("tag()", tensor)
     if policy is None or not (isinstance(policy, (CheckpointPolicy, SaveWithHooks, bool))
                               or _is_numpy_bool(policy)):

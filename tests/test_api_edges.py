@@ -12,13 +12,6 @@ import sac_compile.compiler  # noqa: F401  (sc.compiler)
 from sac_compile import policies
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @sc.sac_region(policies.save_matmuls, name="Block")
 def block(x, w):
     return torch.tanh(x @ w).sin() @ w
@@ -224,18 +217,17 @@ def test_the_alternatives_the_error_names_work():
 
 # -- 5. a graph without regions: torch's split, parameters not counted -------------------------
 
-def test_a_split_by_torchs_partitioner_counts_no_parameter_in_saved_bytes():
+def test_a_split_by_torchs_partitioner_counts_no_parameter_in_saved_bytes(capture):
     """Handed to torch's min_cut_rematerialization_partition, whose CSE replaces the joint
     graph's nodes: the parameters it saves were reported as plain inputs and counted."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
                                 torch.nn.LayerNorm(8))
     x = torch.randn(4, 8, requires_grad=True)
-    reports = []
-    backend = sc.make_backend(compiler="aot_eager", on_partition=reports.append)
+    backend = capture.backend()
     with torch._functorch.config.patch(enable_autograd_cache=False):
         torch.compile(model, backend=backend)(x).sum().backward()
-    (report,) = reports
+    (report,) = capture.reports
     assert report.solver == "upstream"
     params = [r for r in report.saved if r.reason.startswith("parameter")]
     inputs = [r for r in report.saved if r.is_input and r not in params]

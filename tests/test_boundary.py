@@ -5,6 +5,8 @@ state (grad mode, default dtype) backward runs under.
 The contract: the gradients of the same program without checkpointing, or a
 CheckpointError that names the op, the region, the tensor and the fix. Never silent.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,17 +269,25 @@ def test_buffer_updated_in_place_inside_the_region_after_it_was_saved_raises():
 
 def test_updates_after_backward_are_free():
     """The check is on what backward reads: updating after backward, as a training loop
-    does, never raises."""
-    lin = torch.nn.Linear(8, 8)
+    does, never raises, and takes the steps training without checkpointing takes."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 8)
+    lin = copy.deepcopy(plain)
+    start = plain.weight.detach().clone()
     block = sc.sac_region(policies.save_matmuls)(lin)
-    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     x = torch.randn(4, 8)
-    for _ in range(3):
-        h = x * 1.0
-        h = h + block(h).relu()
-        h.sum().backward()
-        opt.step()
-        opt.zero_grad()
+    weights = []
+    for module, call in ((plain, plain), (lin, block)):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for _ in range(3):
+            h = x * 1.0
+            h = h + call(h).relu()
+            h.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(module.weight.detach().clone())
+    assert not torch.equal(weights[1], start)  # the steps were taken
+    assert torch.equal(weights[0], weights[1])  # 3 steps, bit for bit
 
 
 # -- 5. hidden mutation ---------------------------------------------------------------------

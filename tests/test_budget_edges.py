@@ -66,7 +66,6 @@ def test_our_memory_budget_wins_over_torchs_and_says_so():
     def a(x, w):
         return (x @ w).sin().cos().sin()
 
-    torch._dynamo.reset()
     backend, cap = capturing_backend(memory_budget=1.0)
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)

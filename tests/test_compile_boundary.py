@@ -23,13 +23,6 @@ POLICIES = {"recompute_all": "recompute_all", "save_matmuls": policies.save_matm
             "must_recompute": lambda ctx, op, *a, **k: CP.MUST_RECOMPUTE}
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _xw(n=4, m=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, m, generator=g, requires_grad=True),
@@ -59,9 +52,8 @@ def _same(a, b, atol=1e-5):
             assert torch.allclose(u, v, atol=atol), (u - v).abs().max()
 
 
-def _aot_eager(reports=None):
-    return make_backend(compiler="aot_eager",
-                        on_partition=None if reports is None else reports.append)
+def _aot_eager():
+    return make_backend(compiler="aot_eager")
 
 
 # -- 1. non-tensor graph inputs ----------------------------------------------------------------
@@ -79,23 +71,22 @@ def _mm_sin(x, w):
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "save_matmuls"])
-def test_tensor_hook_on_region_output_under_compiled_autograd(policy):
+def test_tensor_hook_on_region_output_under_compiled_autograd(policy, capture):
     """A hook on a region's output makes compiled autograd pass a BackwardState into the
     joint graph. It used to leave no valid split ("no valid forward/backward split");
     it is passed to the backward as torch's partitioner passes it."""
     region = sac_region(POLICIES[policy], name=f"Hooked_{policy}")(_mm_sin)
     x, w = _xw()
     ref = _grads(_hooked(_mm_sin), x, w, loss=lambda y: y)
-    reports = []
-    fn = torch.compile(_hooked(region), backend=_aot_eager(reports))
+    fn = torch.compile(_hooked(region), backend=capture.backend())
     with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
         got = _grads(fn, x, w, loss=lambda y: y)
     _same(ref, got)
-    assert reports, "the joint graph went through our partitioner"
-    assert all(r.op != "input" or r.nbytes > 0 for r in reports[0].saved)
+    assert capture.reports, "the joint graph went through our partitioner"
+    assert all(r.op != "input" or r.nbytes > 0 for r in capture.reports[0].saved)
 
 
-def test_tensor_hook_with_compiled_autograd_config_and_backward_inside_compile():
+def test_tensor_hook_with_compiled_autograd_config_and_backward_inside_compile(capture):
     region = sac_region("recompute_all", name="HookedConfig")(_mm_sin)
 
     def step(f):
@@ -108,11 +99,10 @@ def test_tensor_hook_with_compiled_autograd_config_and_backward_inside_compile()
     x, w = _xw()
     ref = _grads(_hooked(_mm_sin), x, w, loss=lambda y: y)
     x.grad = w.grad = None
-    reports = []
     with torch._dynamo.config.patch(compiled_autograd=True):
-        torch.compile(step(_hooked(region)), backend=_aot_eager(reports))(x, w)
+        torch.compile(step(_hooked(region)), backend=capture.backend())(x, w)
     _same(ref, [x.grad, w.grad])
-    assert reports
+    assert capture.reports
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "save_matmuls"])

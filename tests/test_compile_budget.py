@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+from fixtures.capture import Captured
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, policies, sac_region
 from sac_compile import CheckpointPolicy as CP
@@ -19,13 +20,12 @@ def _run(model_name, budget, policy=policies.save_all):
     model, inputs = make_model(model_name, size="test", seed=0)
     for block in model.blocks:
         sac_region(policy)(block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(
-        compiler="aot_eager", memory_budget=budget, on_partition=reports.append))
+    cap = Captured()
+    compiled = torch.compile(model, backend=cap.backend(memory_budget=budget))
     torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
-    assert len(reports) == 1
-    return reports[0], grads_of(model, inputs)
+    assert len(cap.reports) == 1
+    return cap.report, grads_of(model, inputs)
 
 
 @pytest.fixture(scope="module")

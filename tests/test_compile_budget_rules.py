@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.capture import capturing_backend as _capture
+from fixtures.capture import Captured, capturing_backend as _capture
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
 from sac_compile.compiler import CostModel, make_backend
@@ -20,12 +20,11 @@ def _gpt(policy, budget, **options):
     model, inputs = _gpt_without_dropout()
     for block in model.blocks:
         sac_region(policy)(block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(
-        compiler="aot_eager", memory_budget=budget, on_partition=reports.append, **options))
+    cap = Captured()
+    compiled = torch.compile(model, backend=cap.backend(memory_budget=budget, **options))
     torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
-    return reports[0], grads_of(model, inputs)
+    return cap.reports[0], grads_of(model, inputs)
 
 
 def _gpt_without_dropout():
@@ -75,7 +74,6 @@ def test_the_error_blames_the_value_that_cannot_be_recomputed():
     def block(x, w):
         return (x @ w).sin().cos()
 
-    torch._dynamo.reset()
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
     f = torch.compile(lambda x, w: block(x, w).sum(),
@@ -99,7 +97,6 @@ def test_attention_without_dropout_is_not_a_random_op():
         out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0)
         return out.sin()
 
-    torch._dynamo.reset()
     q, k, v = (torch.randn(2, 2, 8, 4, requires_grad=True) for _ in range(3))
     backend, cap = _capture()
     attn_c = torch.compile(attn, backend=backend)
@@ -196,7 +193,6 @@ def test_recomputed_random_ops_count_their_rng_state():
     def block(x, w):
         return F.dropout(x @ w, 0.5, training=True).sin()
 
-    torch._dynamo.reset()
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
     backend, cap = _capture()
@@ -227,7 +223,6 @@ def test_dead_random_ops_are_not_reported_as_recomputed_under_fallback_random():
     def attn(q):
         return F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
-    torch._dynamo.reset()
     backend, cap = _capture()
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     with torch._inductor.config.patch(fallback_random=True):

@@ -137,7 +137,6 @@ def test_a_budgeted_region_whose_input_is_changed_before_backward_is_never_silen
         h += out
         return h.sum()
 
-    torch._dynamo.reset()
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
     ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()

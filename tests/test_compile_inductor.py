@@ -151,25 +151,27 @@ def test_torch_compile_mode_and_options_reach_compile_fx(monkeypatch, how):
         return gm.forward
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", recording_compile_fx)
-    torch._dynamo.reset()
     x = torch.randn(4, 8, requires_grad=True)
     out = torch.compile(lambda x: (x @ x.T).sin().sum(), backend=sac_backend, **how)(x)
     assert torch.allclose(out, (x @ x.T).sin().sum())
     (patches,) = calls
     assert patches["max_autotune"] is ("mode" in how)
     assert isinstance(patches["custom_partitioner_fn"], SACPartitioner)
-    torch._dynamo.reset()
 
 
-def test_aot_eager_backend_accepts_mode_like_torchs_aot_eager():
-    from sac_compile.compiler import make_backend
-    torch._dynamo.reset()
+def test_aot_eager_backend_accepts_mode_like_torchs_aot_eager(capture):
+    ref_model, inputs = make_model("mlp", size="test", seed=0)
+    ref = reference_grads(ref_model, inputs, seed=0)
     model, inputs = make_model("mlp", size="test", seed=0)
     for block in model.blocks:
         sac_region(policies.save_matmuls)(block)
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager"),
+    compiled = torch.compile(model, backend=capture.backend(),
                              mode="max-autotune-no-cudagraphs")
+    torch.manual_seed(0)
     loss_fn(compiled(*inputs)).backward()
+    assert len(capture.reports) == 1  # one split, by our partitioner, mode ignored
+    assert dict(capture.report.saved_ops) == {"aten.addmm.default": 2, "aten.add.Tensor": 2}
+    assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-5
 
 
 @pytest.mark.slow
@@ -181,7 +183,6 @@ def test_sac_backend_with_inductor_mode_and_options(how):
     model, inputs = make_model("mlp", size="test", seed=0)
     for block in model.blocks:
         sac_region(policies.save_matmuls)(block)
-    torch._dynamo.reset()
     compiled = torch.compile(model, backend=sac_backend, **how)
     loss_fn(compiled(*inputs)).backward()
     assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-5

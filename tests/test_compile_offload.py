@@ -15,7 +15,7 @@ import torch
 from fixtures.capture import capturing_backend
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, policies, sac_region
-from sac_compile.compiler import SACPartitioner, make_backend
+from sac_compile.compiler import SACPartitioner
 
 aten = torch.ops.aten
 
@@ -72,7 +72,6 @@ def _compile_and_run_on_meta(fn, backend, *args):
 @needs_offload_ops
 def test_offload_and_reload_placement_on_a_device():
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
-    torch._dynamo.reset()
     model, x = _meta_mlp(policies.offload_ops(aten.addmm))
     backend, cap = capturing_backend()
     _compile_and_run_on_meta(model, backend, x)  # forward only: reload needs an accelerator
@@ -154,19 +153,16 @@ def test_prefer_offload_of_a_value_torch_refuses_stays_on_the_device():
                for n in cap.report.notes), cap.report.notes
 
 
-def test_offload_on_the_cpu_is_a_plain_save_with_exact_gradients():
-    torch._dynamo.reset()
+def test_offload_on_the_cpu_is_a_plain_save_with_exact_gradients(capture):
     ref_model, ref_inputs = make_model("mlp", size="test", seed=0)
     ref = reference_grads(ref_model, ref_inputs, seed=0)
     model, inputs = make_model("mlp", size="test", seed=0)
     for block in model.blocks:
         sac_region(policies.offload_ops(aten.addmm))(block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                         on_partition=reports.append))
+    compiled = torch.compile(model, backend=capture.backend())
     loss_fn(compiled(*inputs)).backward()
     assert max_grad_diff(ref, grads_of(model, inputs)) <= 1e-6
-    (report,) = reports
+    (report,) = capture.reports
     rows = {r.name: r.reason for r in report.saved}
     assert rows["addmm"] == ("MUST_CPU_OFFLOAD by policy in region 'MLPBlock' (the value is on "
                              "the CPU: CPU offload is a plain save)"), rows
@@ -192,7 +188,6 @@ def test_missing_offload_pass_under_compile(monkeypatch):
     monkeypatch.setattr(offload, "_API", [])
     monkeypatch.setitem(sys.modules,
                         "torch._functorch._activation_offloading.activation_offloading", None)
-    torch._dynamo.reset()
     model, x = _meta_mlp(policies.offload_ops(aten.addmm))
     backend, _ = capturing_backend()
     with pytest.raises(CheckpointError, match="lacks torch._functorch._activation_offloading"):
@@ -208,7 +203,6 @@ def test_missing_offload_pass_under_compile(monkeypatch):
 @needs_offload_ops
 def test_a_saved_view_of_an_offloaded_value_offloads_the_value():
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
-    torch._dynamo.reset()
 
     @sac_region(policies.offload_ops(aten.mm), name="V")
     def block(x, w):
@@ -254,7 +248,6 @@ def test_must_offload_of_a_view_offloads_its_base(kind):
     """MUST_CPU_OFFLOAD for a view op: the view shares its base's storage, so the base (a
     matmul the policy says nothing about) is what leaves the device."""
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
-    torch._dynamo.reset()
     op, view = VIEWS[kind]
 
     @sac_region(_deciding(op, CP.MUST_CPU_OFFLOAD), name="V")
@@ -276,7 +269,6 @@ def test_must_offload_of_a_view_offloads_its_base(kind):
 
 def test_prefer_offload_of_a_view_offloads_its_base_when_kept():
     pytest.importorskip("torch._functorch._activation_offloading.activation_offloading")
-    torch._dynamo.reset()
 
     @sac_region(lambda ctx, op, *a, **k: CP.PREFER_CPU_OFFLOAD if op is aten.t.default else
                 (CP.MUST_SAVE if op is aten.mm.default else None), name="V")
@@ -298,7 +290,6 @@ def test_must_offload_of_a_view_its_base_cannot_take_is_an_error(case):
     """A view of an input (its base cannot be offloaded by the compiled graph), or of a
     value whose own MUST differs: a CheckpointError naming the view's op, region and fix,
     never a silent drop."""
-    torch._dynamo.reset()
     if case == "input":
         policy = _deciding(aten.t.default, CP.MUST_CPU_OFFLOAD)
 

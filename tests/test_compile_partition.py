@@ -8,10 +8,11 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from fixtures.capture import Captured
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
-from sac_compile.compiler import SACPartitioner, make_backend
+from sac_compile.compiler import SACPartitioner
 from sac_compile.cut.network import CostModel
 
 aten = torch.ops.aten
@@ -26,13 +27,12 @@ def _wrap_blocks(model, policy, *, outer=None):
 
 
 def _compiled_grads(model, inputs, seed=0):
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                         on_partition=reports.append))
+    cap = Captured()
+    compiled = torch.compile(model, backend=cap.backend())
     torch.manual_seed(seed)
     loss_fn(compiled(*inputs)).backward()
     grads = grads_of(model, inputs)
-    return grads, reports
+    return grads, cap.reports
 
 
 POLICY_CASES = {
@@ -55,7 +55,7 @@ def test_gradient_parity(model_name, case):
     assert max_grad_diff(ref, got) <= 1e-5
 
 
-def test_must_save_is_saved_and_must_recompute_is_not():
+def test_must_save_is_saved_and_must_recompute_is_not(capture):
     def policy(ctx, op, *args, **kwargs):
         if op is aten.mm.default:
             return CP.MUST_SAVE
@@ -67,39 +67,37 @@ def test_must_save_is_saved_and_must_recompute_is_not():
     def block(x, w):
         return (x @ w).sin().cos() @ w
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(16, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     ops = {r.op: r.reason for r in report.saved}
     assert ops["aten.mm.default"] == "MUST_SAVE by policy in region 'Block'"
     assert "aten.sin.default" not in ops
     assert "aten.sin.default" in report.recomputed
 
 
-def test_prefer_recompute_overridden_when_saving_is_cheaper():
+def test_prefer_recompute_overridden_when_saving_is_cheaper(capture):
     # y is tiny; recomputing it would need the big input x kept for backward.
     @sac_region("recompute_all", name="Reduce")
     def block(x, w):
         return (x.sin().sum(-1) * w).exp()
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(64, 1024)
     w = torch.ones(64, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     reasons = [r.reason for r in report.saved if not r.is_input]
     assert "PREFER_RECOMPUTE overridden: saving 256 B is cheaper than recomputing from 256 KiB" \
         in reasons, reasons
     assert report.saved_bytes < 64 * 1024 * 4
 
 
-def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value():
+def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value(capture):
     def policy(ctx, op, *args, **kwargs):
         return CP.MUST_SAVE if op is aten.mm.default else CP.PREFER_SAVE
 
@@ -109,13 +107,12 @@ def test_prefer_save_overridden_for_cheap_pointwise_of_saved_value():
         z = y * 2
         return y.sin() + z.sin()
 
-    reports = []
     fn = torch.compile(lambda x, w: block(x, w).sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     x = torch.randn(32, 32, requires_grad=True)
     w = torch.randn(32, 32, requires_grad=True)
     fn(x, w).backward()
-    (report,) = reports
+    (report,) = capture.reports
     saved_ops = report.saved_ops
     assert saved_ops["aten.mm.default"] == 1
     assert "aten.mul.Tensor" not in saved_ops  # recomputed from the saved mm: cheaper
@@ -142,23 +139,21 @@ def test_torch_sac_context_fn_and_full_ac():
         body(x, w).sum().backward()
         ref = (x.grad.clone(), w.grad.clone())
         x.grad = w.grad = None
-        reports = []
-        torch.compile(fn, backend=make_backend(compiler="aot_eager",
-                                               on_partition=reports.append))(x, w).backward()
+        cap = Captured()
+        torch.compile(fn, backend=cap.backend())(x, w).backward()
         assert torch.allclose(x.grad, ref[0]) and torch.allclose(w.grad, ref[1])
         x.grad = w.grad = None
-        mm_saved = [r for r in reports[0].saved if r.op == "aten.mm.default"]
+        mm_saved = [r for r in cap.reports[0].saved if r.op == "aten.mm.default"]
         assert bool(mm_saved) == expect_mm_saved
         if expect_mm_saved:
             assert mm_saved[0].reason == "MUST_SAVE by policy in region 'checkpoint'"
 
 
-def test_untagged_graph_goes_to_upstream():
-    reports = []
+def test_untagged_graph_goes_to_upstream(capture):
     fn = torch.compile(lambda x: (x.sin() @ x).cos().sum(),
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     fn(torch.randn(8, 8, requires_grad=True)).backward()
-    assert reports[0].solver == "upstream"
+    assert capture.reports[0].solver == "upstream"
 
 
 def test_solvers_agree():
@@ -167,13 +162,12 @@ def test_solvers_agree():
     _wrap_blocks(model, policies.save_matmuls)
     saved = {}
     for solver in ("networkx", "scipy"):
-        reports = []
+        cap = Captured()
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=make_backend(
-            compiler="aot_eager", solver=solver, on_partition=reports.append))
+        compiled = torch.compile(model, backend=cap.backend(solver=solver))
         torch.manual_seed(0)
         loss_fn(compiled(*inputs)).backward()
-        saved[solver] = (reports[0].saved_bytes, reports[0].recompute_flops)
+        saved[solver] = (cap.reports[0].saved_bytes, cap.reports[0].recompute_flops)
     assert saved["networkx"] == saved["scipy"]
 
 

@@ -35,7 +35,6 @@ def _tiny():
 
 
 def test_inductor_cache_pickling_a_local_callback_prints_nothing(capfd):
-    torch._dynamo.reset()
     got = []
 
     def local(report):
@@ -49,7 +48,6 @@ def test_inductor_cache_pickling_a_local_callback_prints_nothing(capfd):
 
 
 def test_each_report_goes_to_the_partition_artifact():
-    torch._dynamo.reset()
     records = []
 
     class Keep(logging.Handler):

@@ -45,11 +45,10 @@ def _outer(x, w):
     return _inner(x, w).cos() @ w
 
 
-def test_nested_outer_must_beats_inner_prefer():
+def test_nested_outer_must_beats_inner_prefer(capture):
     x, w = _xw()
-    reports = []
     fn = torch.compile(lambda x, w: _outer(x, w).sum(), fullgraph=True,
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     fn(x, w).backward()
     got = (x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
@@ -57,7 +56,7 @@ def test_nested_outer_must_beats_inner_prefer():
     assert torch.allclose(got[0], x.grad) and torch.allclose(got[1], w.grad)
     # Both mm's are MUST_SAVE by the outer region although the inner policy prefers recompute:
     # none is recomputed.
-    assert "aten.mm.default" not in reports[0].recomputed
+    assert "aten.mm.default" not in capture.reports[0].recomputed
 
 
 @sac_region(_recompute_mm, name="Inner2")
@@ -89,16 +88,15 @@ def _tagged(x, w):
     return z @ w
 
 
-def test_tag_and_name_compile_without_graph_breaks():
+def test_tag_and_name_compile_without_graph_breaks(capture):
     x, w = _xw()
-    reports = []
     fn = torch.compile(lambda x, w: _tagged(x, w).sum(), fullgraph=True,
-                       backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+                       backend=capture.backend())
     fn(x, w).backward()
-    reasons = {r.op: r.reason for r in reports[0].saved}
+    reasons = {r.op: r.reason for r in capture.reports[0].saved}
     assert reasons["aten.relu.default"] == \
         "MUST_SAVE in region 'T' (beats PREFER_RECOMPUTE of policy in 'T')"
-    assert reports[0].recomputed == ["aten.sin.default"]
+    assert capture.reports[0].recomputed == ["aten.sin.default"]
 
 
 @sac_region(policies.save_only_these_names("keep"), name="Named")
@@ -114,17 +112,15 @@ def test_name_reaches_name_based_policies():
         "MUST_SAVE by name in region 'Named'"
 
 
-def test_checkpoint_call_with_op_list_policy_under_compile():
+def test_checkpoint_call_with_op_list_policy_under_compile(capture):
     x, w = _xw()
-    reports = []
 
     def f(x, w):
         return checkpoint(lambda a, b: torch.relu(a @ b).sin() @ b, x, w,
                           policy=[aten.mm.default]).sum()
 
-    torch.compile(f, fullgraph=True, backend=make_backend(
-        compiler="aot_eager", on_partition=reports.append))(x, w).backward()
-    assert "aten.mm.default" not in reports[0].recomputed
+    torch.compile(f, fullgraph=True, backend=capture.backend())(x, w).backward()
+    assert "aten.mm.default" not in capture.reports[0].recomputed
 
 
 def test_graph_break_in_region_falls_back_to_eager_runtime(caplog):
@@ -228,7 +224,6 @@ def test_markers_are_removed_from_inference_graphs_aot_eager(monkeypatch):
 
     real = backend_module.remove_markers
     monkeypatch.setattr(backend_module, "remove_markers", recording_remove_markers)
-    torch._dynamo.reset()
     with torch.no_grad():
         got = torch.compile(lambda x, w: _tagged(x, w),
                             backend=make_backend(compiler="aot_eager"))(x, w)
@@ -257,7 +252,6 @@ def test_markers_are_removed_from_inference_graphs_inductor():
 
     x, w = _xw()
     user_pass = Recording()
-    torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_pre_pass=user_pass,
                                                        force_disable_caches=True):
         got = torch.compile(lambda x, w: _tagged(x, w), backend=make_backend())(x, w)

@@ -75,7 +75,6 @@ def _rel_diff(a, b):
 
 
 def test_the_same_values_are_packed_in_both_modes():
-    torch._dynamo.reset()
     eager = Counting(to_bf16, from_bf16)
     _eager_grads(eager.hooks)
     compiled = Counting(to_bf16, from_bf16)
@@ -104,22 +103,19 @@ def test_the_same_values_are_packed_in_both_modes():
         assert all(border[u] < border[user] for user in u.users)
 
 
-def test_gradients_agree_with_eager_hooks_and_report_packed_bytes():
-    torch._dynamo.reset()
+def test_gradients_agree_with_eager_hooks_and_report_packed_bytes(capture):
     hooks = SaveWithHooks(to_bf16, from_bf16)
     eager = _eager_grads(hooks)
     model, inputs = _mlp(hooks)
     ref = reference_grads(*make_model("mlp", size="test", seed=0), seed=0)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                         on_partition=reports.append))
+    compiled = torch.compile(model, backend=capture.backend())
     loss_fn(compiled(*inputs)).backward()
     got = grads_of(model, inputs)
     # bf16 keeps 8 bits of mantissa: both modes round the saved values, a little differently
     assert _rel_diff(got, eager) <= 2e-2
     assert _rel_diff(got, ref) <= 2e-2
     assert _rel_diff(got, ref) > 0  # the hooks ran: the values were rounded
-    (report,) = reports
+    (report,) = capture.reports
     packed = [r for r in report.saved if "packed by SaveWithHooks(to_bf16, from_bf16)" in r.reason]
     assert len(packed) == 4
     # The cut costs a hooked value at its packed bytes: it keeps the four decided matmul
@@ -134,7 +130,6 @@ def test_gradients_agree_with_eager_hooks_and_report_packed_bytes():
 
 
 def test_int8_hooks_with_a_scale():
-    torch._dynamo.reset()
     hooks = SaveWithHooks(quantize_int8, dequantize_int8)
     eager = _eager_grads(hooks)
     model, inputs = _mlp(hooks)
@@ -218,7 +213,6 @@ def test_untraceable_hooks_the_policy_builds_per_call_are_an_error(case):
 
 @pytest.mark.slow
 def test_inductor_gradients_agree_with_eager_hooks():
-    torch._dynamo.reset()
     hooks = SaveWithHooks(to_bf16, from_bf16)
     eager = _eager_grads(hooks)
     model, inputs = _mlp(hooks)
@@ -233,7 +227,6 @@ def test_an_in_place_change_of_a_region_input_after_the_forward_raises_as_autogr
     """Around the region: the input the packed matmul reads is changed before backward.
     The compiled split keeps that input (hooks pack only the matmul's output): autograd's
     version check raises, as without checkpointing - never a silently wrong gradient."""
-    torch._dynamo.reset()
     hooks = SaveWithHooks(to_bf16, from_bf16)
 
     @sac_region(lambda ctx, op, *a, **k: hooks if op is torch.ops.aten.mm.default else None,
@@ -272,7 +265,6 @@ def _untraceable_policy(ctx, op, *args, **kwargs):
 def test_hooks_that_cannot_be_traced_run_the_region_through_the_eager_runtime():
     """Never silently ignored, never a failed compile: the region falls back to the eager
     runtime (its hooks run as Python), with one warning naming the hooks and why."""
-    torch._dynamo.reset()
 
     def build():
         model, inputs = make_model("mlp", size="test", seed=0)

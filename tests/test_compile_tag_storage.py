@@ -67,7 +67,6 @@ def _rel(a, b):
 
 
 def test_tag_with_hooks_packs_the_value_and_agrees_with_eager():
-    torch._dynamo.reset()
     inputs = _inputs()
     plain = _grads(_tagged_block(CP.MUST_SAVE), inputs)  # no hooks, nothing rounded
     eager = _grads(_tagged_block(BF16), inputs)          # the eager runtime's hooks
@@ -108,7 +107,6 @@ def test_tag_with_hooks_built_in_the_compiled_code_and_a_closure():
     def closure(x, w1, w2):
         return tag(x @ w1, current["hooks"]).sin() @ w2
 
-    torch._dynamo.reset()
     inputs = _inputs()
     for block, dtype in ((inline, torch.bfloat16), (closure, torch.bfloat16)):
         backend, cap = _capturing()
@@ -132,7 +130,6 @@ def test_tag_with_hooks_under_a_backend_without_aot_autograd():
         return t.to(torch.bfloat16)
 
     hooks = SaveWithHooks(counting_pack, from_bf16)
-    torch._dynamo.reset()
     inputs = _inputs()
     eager = _grads(_tagged_block(hooks), inputs)
     assert packed == [torch.Size([16, 32])]
@@ -252,7 +249,6 @@ def _view_block(how):
 
 @pytest.mark.parametrize("how", ["policy", "tag"])
 def test_hooks_on_a_view_pack_its_base_and_agree_with_eager(how):
-    torch._dynamo.reset()
     inputs = _inputs()
     eager = _grads(_view_block(how), inputs)
     backend, cap = _capturing()
@@ -271,7 +267,6 @@ def test_hooks_on_a_view_pack_its_base_and_agree_with_eager(how):
 def test_hooks_on_a_view_of_an_input_pack_the_view_itself():
     """The base is an input (the region cannot pack it): the view is saved and packed by
     itself, as the eager runtime packs the view op's output - never dropped."""
-    torch._dynamo.reset()
 
     @sac_region(_hooks_on(aten.t.default), name="V")
     def block(x, w1, w2):

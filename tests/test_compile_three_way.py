@@ -35,8 +35,6 @@ def fresh_state():
         from torch._functorch._activation_offloading import offload_ops as ops
         for clear in (ops._transfer_streams.clear, ops._clear_wait_registry, ops._pool_clear):
             clear()
-    torch._dynamo.reset()
-    yield
 
 
 def prefer_save_matmuls(ctx, op, *args, **kwargs):

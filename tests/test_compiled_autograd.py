@@ -84,11 +84,8 @@ def count_packs(model, x):
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
+def fresh_counters():
     counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _identity_compiler(gm):

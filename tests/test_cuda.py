@@ -72,7 +72,6 @@ def test_eager_regions_give_no_checkpointing_gradients(name, policy):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_compiled_regions_give_no_checkpointing_gradients(name, policy):
-    torch._dynamo.reset()
     ref = _ref(name)
     model, inputs = _wrapped(name, POLICIES[policy])
     reports = []
@@ -108,7 +107,6 @@ def _step_peak(model, inputs, backend):
 
 @needs_offload_ops
 def test_offload_under_compile_lowers_device_memory_with_exact_gradients():
-    torch._dynamo.reset()
     ref = _ref("mlp", BIG_MLP)
     saved_reports, offload_reports = [], []
     model, inputs = _wrapped("mlp", policies.save_ops(aten.addmm), BIG_MLP)
@@ -137,7 +135,6 @@ def _from_bf16(t):
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_bf16_save_with_hooks(mode):
-    torch._dynamo.reset()
     ref = _ref("mlp")
     hooks = SaveWithHooks(_to_bf16, _from_bf16)
 
@@ -159,7 +156,6 @@ def test_bf16_save_with_hooks(mode):
 
 
 def test_memory_budget_saves_less_and_lowers_the_peak():
-    torch._dynamo.reset()
     ref = _ref("mlp", BIG_MLP)
     full_reports, half_reports = [], []
     model, inputs = _wrapped("mlp", policies.relaxed(policies.save_matmuls), BIG_MLP)

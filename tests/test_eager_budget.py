@@ -7,39 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.capture import capturing_backend
-from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
+from fixtures.budget_model import POLICY, budget_model, budget_step, compile_blocks, per_region
+from fixtures.models import max_grad_diff, reference_grads
 from sac_compile import CheckpointError, CheckpointPolicy as CP, apply_regions, policies, sac_region
 from sac_compile.runtime import collect_stats
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)
-POLICY = policies.relaxed(policies.save_matmuls)
-
-
-def _model(name):
-    model, inputs = make_model(name, size="test", seed=0)
-    for m in model.modules():  # dropout 0: recomputing it on the CPU keeps a 5 KiB state
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model, inputs
-
-
-def _per_region(records):
-    out: dict[str, int] = {}
-    for r in records:
-        out[r.region] = out.get(r.region, 0) + r.nbytes
-    return out
-
-
-def _eager_step(model, inputs):
-    for p in model.parameters():
-        p.grad = None
-    inputs[0].grad = None
-    with collect_stats() as stats:
-        torch.manual_seed(0)
-        out = model(*inputs)
-    loss_fn(out).backward()
-    return stats, grads_of(model, inputs)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
@@ -49,20 +22,15 @@ def test_eager_keeps_what_the_compiled_split_keeps(name):
     and both give no-checkpointing's gradients exactly."""
     free = None
     for budget in BUDGETS:
-        model, inputs = _model(name)
+        model, inputs = budget_model(name)
         ref = reference_grads(model, inputs, 0)
         apply_regions(model, POLICY, where=type(model.blocks[0]), memory_budget=budget)
-        stats, grads = _eager_step(model, inputs)
-        eager = _per_region(stats.saved)
+        stats, grads = budget_step(model, inputs)
+        eager = per_region(stats.saved)
         assert max_grad_diff(ref, grads) == 0.0
         assert stats.budget_notes and all("memory budget" in n for n in stats.budget_notes)
-        torch._dynamo.reset()
-        caps = []
-        for block in model.blocks:
-            backend, cap = capturing_backend()
-            block.compile(backend=backend)
-            caps.append(cap)
-        _, grads = _eager_step(model, inputs)
+        caps = compile_blocks(model)
+        _, grads = budget_step(model, inputs)
         assert max_grad_diff(ref, grads) <= 1e-6
         compiled = {f"blocks.{i}": sum(s.nbytes for s in cap.report.saved if not s.is_input)
                     for i, cap in enumerate(caps)}

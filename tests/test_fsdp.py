@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import collections
 import copy
-import datetime
 import functools
-import multiprocessing
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from fixtures import ranks
+from fixtures.ranks import c10d_counter as _c10d_counter
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as P, policies
 
 WORLD = 2
 TIMEOUT_S = 300
-COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
 # -- what runs on each rank -------------------------------------------------------------------
@@ -44,24 +41,6 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         return self.l2(torch.tanh(self.l1(x)).sin()) + x
-
-
-def _c10d_counter():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class C10dCounter(TorchDispatchMode):
-        """Counts the collectives dispatched while active (backward runs on this thread)."""
-
-        def __init__(self):
-            super().__init__()
-            self.counts = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in COLLECTIVE_NAMESPACES:
-                self.counts[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    return C10dCounter()
 
 
 def _backward_counting(loss):
@@ -254,69 +233,12 @@ CHECKS = [check_fsdp_baseline, check_fsdp_inner_eager, check_fsdp_outer_eager,
           check_fsdp_compiled]
 
 
-def _worker(rank, store_path, out_dir, names):
-    torch.set_num_threads(1)
-    results = {}
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
-        try:
-            for name in names:
-                try:
-                    results[name] = ("ok", globals()[name](rank))
-                except BaseException:
-                    results[name] = ("error", traceback.format_exc())
-                    break  # the ranks may now disagree on the next collective
-                finally:
-                    torch.save(results, path)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results["<setup>"] = ("error", traceback.format_exc())
-        torch.save(results, path)
-
-
 def _spawn(out_dir, names):
-    ctx = multiprocessing.get_context("spawn")
-    store = os.path.join(out_dir, "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, out_dir, names), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    # A hang guard, not a measurement: each rank gets at most TIMEOUT_S to finish (a rank
-    # whose peer died fails on its next collective, after the group's TIMEOUT_S // 2).
-    for p in procs:
-        p.join(TIMEOUT_S)
-    stragglers = [p for p in procs if p.is_alive()]
-    for p in stragglers:
-        p.kill()
-        p.join(10)
-    results = []
-    for r in range(WORLD):
-        path = os.path.join(out_dir, f"rank{r}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return results, [p.pid for p in stragglers]
+    return ranks.spawn(__name__, out_dir, names, world=WORLD, timeout_s=TIMEOUT_S)
 
 
-def _result(results, name):
-    """Both ranks' results of check ``name``, or a failure saying why there are none."""
-    ranks, stragglers = results
-    values = []
-    for rank, res in enumerate(ranks):
-        if "<setup>" in res:
-            pytest.fail(f"rank {rank} could not start: {res['<setup>'][1]}")
-        if name not in res:
-            failed = [k for k, v in res.items() if v[0] == "error"]
-            why = f"check {failed[0]} failed first" if failed else \
-                f"killed at the {TIMEOUT_S} s deadline" if stragglers else "it did not run"
-            pytest.fail(f"rank {rank}: no result for {name} ({why})")
-        status, value = res[name]
-        if status != "ok":
-            pytest.fail(f"rank {rank}: {name} raised:\n{value}")
-        values.append(value)
-    return values
+def _result(spawned, name):
+    return ranks.result(spawned, name, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -167,13 +167,6 @@ def torch_sac_bytes(name: str, *, rng_states: bool = False) -> int:
     return res.saved_bytes + (res.rng_state_bytes if rng_states else 0)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()  # a fresh model each test: never the recompile limit
-    yield
-    torch._dynamo.reset()
-
-
 def compiled_step(model: nn.Module, backend) -> tuple[torch.Tensor, dict]:
     return step(torch.compile(model, backend=backend), model)
 
@@ -239,7 +232,7 @@ def _aot_eager_case(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2-dropout", "llama-gqa-sdpa", "moe"])
-def test_aot_eager_regions(name, fresh_dynamo):
+def test_aot_eager_regions(name):
     reports = _aot_eager_case(name)
     if name == "moe":
         # HF's own grouped matmul (a custom op under compile) is one of save_matmuls' ops
@@ -251,7 +244,7 @@ def test_aot_eager_regions(name, fresh_dynamo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-eager"])
-def test_aot_eager_regions_more(name, fresh_dynamo):
+def test_aot_eager_regions_more(name):
     _aot_eager_case(name)
 
 
@@ -275,18 +268,18 @@ def _hf_checkpointing_case(name):
 
 
 @pytest.mark.filterwarnings("ignore:.*in-place ops")
-def test_hf_gradient_checkpointing_with_torch_sac_policy_compiled(fresh_dynamo):
+def test_hf_gradient_checkpointing_with_torch_sac_policy_compiled():
     _hf_checkpointing_case("llama-gqa-sdpa")
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*in-place ops")
 @pytest.mark.parametrize("name", ["gpt2-dropout", "moe"])
-def test_hf_gradient_checkpointing_more(name, fresh_dynamo):
+def test_hf_gradient_checkpointing_more(name):
     _hf_checkpointing_case(name)
 
 
-def test_custom_op_recompute_is_costed_and_flagged(fresh_dynamo):
+def test_custom_op_recompute_is_costed_and_flagged():
     """``recompute_all`` on the MoE model: HF's grouped-matmul custom op is recomputed,
     costed from its shapes (2 x tokens x in x out per call) and flagged in the report."""
     model = wrap_layers(moe(), "recompute_all")
@@ -301,7 +294,7 @@ def test_custom_op_recompute_is_costed_and_flagged(fresh_dynamo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-dropout", "llama-gqa-sdpa", "moe"])
-def test_inductor_regions(name, fresh_dynamo):
+def test_inductor_regions(name):
     """``sac_backend``'s compiler; about a minute or two each on 2 CPU cores."""
     reports = []
     model = wrap_layers(MODELS[name]())

@@ -70,7 +70,7 @@ def test_policy_comparing_a_packet_warns_under_compile_too():
         f(x, w).sum().backward()
 
 
-def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile():
+def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile(capture):
     def tag_only(ctx, op, *args, **kwargs):
         return None
 
@@ -82,7 +82,9 @@ def test_a_policy_that_decides_through_tags_only_is_not_inert_under_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", module="torch")
-        _compiled(lambda x, w: block(x, w))(x, w).sum().backward()
+        torch.compile(lambda x, w: block(x, w), backend=capture.backend())(x, w).sum().backward()
+    (saved,) = [r for r in capture.report.saved if not r.is_input]
+    assert (saved.op, saved.nbytes, saved.region) == ("aten.mm.default", 4 * 8 * 4, "tagged")
 
 
 def test_packet_in_an_op_list_policy_matches_every_overload():
@@ -383,7 +385,6 @@ def test_save_with_hooks_whose_unpack_returns_the_wrong_shape_under_compile():
     def block(x):
         return x.sin().sin()
 
-    torch._dynamo.reset()
     with pytest.raises(CheckpointError, match=r"aten\.sin\.default .*region 'H'.*"
                        r"expected .*\(4, 8\)"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the region's eager fallback
@@ -399,7 +400,6 @@ def test_memory_budget_that_is_unreachable():
     def block(x, w):
         return (x @ w).sin().cos()
 
-    torch._dynamo.reset()
     f = torch.compile(lambda x, w: block(x, w).sum(),
                       backend=make_backend(compiler="aot_eager", memory_budget=0.5))
     with pytest.raises(CheckpointError, match=re.escape(

@@ -20,13 +20,6 @@ from sac_compile.compiler.named_backends import BACKEND_NAMES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.fixture
 def partitions(monkeypatch):
     """The reports of every split SACPartitioner makes while the test runs."""

@@ -240,7 +240,6 @@ def test_per_call_builds_one_policy_per_region_call_in_both_modes():
     for _ in range(3):
         block(x, w).sum().backward()
     assert len(built) == 3
-    torch._dynamo.reset()
     compiled = torch.compile(block, backend=sc.make_backend(compiler="aot_eager"))
     with torch._functorch.config.patch(enable_autograd_cache=False):  # trace, not a hit
         compiled(x, w).sum().backward()

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as tuc
 
+from fixtures.capture import Captured
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as P, SaveWithHooks, policies
 from sac_compile.runtime import collect_stats
@@ -244,14 +245,11 @@ def test_relaxed_saves_the_same_in_eager_mode_and_lets_a_budget_evict():
         {"aten.mm.default": "PREFER_SAVE", "aten.sin.default": "PREFER_RECOMPUTE"}
 
     def saved_mms(policy, budget):
-        reports = []
+        cap = Captured()
         torch._dynamo.reset()
         region = sc.sac_region(policy, name="R")(fn)
-        backend = sc.make_backend(compiler="aot_eager", memory_budget=budget,
-                                  on_partition=reports.append)
-        torch.compile(region, backend=backend)(x, w1, w2).sum().backward()
-        torch._dynamo.reset()
-        return sum(r.op == "aten.mm.default" for r in reports[0].saved)
+        torch.compile(region, backend=cap.backend(memory_budget=budget))(x, w1, w2).sum().backward()
+        return sum(r.op == "aten.mm.default" for r in cap.reports[0].saved)
 
     assert saved_mms(policies.relaxed(policies.save_matmuls), None) == 1
     assert saved_mms(policies.relaxed(policies.save_matmuls), 2) == 0  # 2 bytes: evict all

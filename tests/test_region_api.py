@@ -572,7 +572,6 @@ def test_with_block_under_compile_runs_through_the_eager_runtime_quietly(recwarn
         return y * 3
 
     ref = torch.autograd.grad(f(x).sum(), x)[0]
-    torch._dynamo.reset()
     compiled = torch.compile(f, backend=sc.make_backend(compiler="aot_eager"))
     with collect_stats() as stats:
         got = torch.autograd.grad(compiled(x).sum(), x)[0]

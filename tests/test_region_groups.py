@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from fixtures.capture import Captured
 import sac_compile as sc
 from sac_compile import CheckpointPolicy as P, policies
-from sac_compile.compiler import make_backend
 from sac_compile.region_groups import members_of
 
 aten = torch.ops.aten
@@ -50,24 +50,23 @@ def _grads(model, x):
     return [x.grad] + [p.grad for p in model.parameters()]
 
 
-def _compile_per_block(model, reports):
+def _compile_per_block(model, capture):
     """torchtitan's apply_compile: each block compiled on its own, fullgraph=True."""
-    backend = make_backend(compiler="aot_eager", on_partition=reports.append)
+    backend = capture.backend()
     for layer in model.layers:
         layer.compile(backend=backend, fullgraph=True)
 
 
-def test_identical_blocks_compiled_per_block_share_one_graph_and_one_split():
+def test_identical_blocks_compiled_per_block_share_one_graph_and_one_split(capture):
     reference = Stack(32)
     model = copy.deepcopy(reference)
     sc.apply_regions(model, policies.save_matmuls, where=Block)
-    reports = []
-    _compile_per_block(model, reports)
+    _compile_per_block(model, capture)
     counters.clear()
     x = torch.randn(4, 16)
     got = _grads(model, x)
     assert counters["stats"]["unique_graphs"] == 1      # one Dynamo compile for 32 blocks
-    assert len(reports) == 1                            # one partition
+    assert len(capture.reports) == 1                    # one partition
     for a, b in zip(got, _grads(reference, x)):
         torch.testing.assert_close(a, b)
     # the per-layer names stay known: the graph's group lists every block
@@ -86,27 +85,27 @@ def _factory(save_mm: bool):
 def _split_of(policy, per_block=True):
     model = Stack(2)
     sc.apply_regions(model, policy, where=Block)
-    reports = []
-    _compile_per_block(model, reports)
+    cap = Captured()
+    _compile_per_block(model, cap)
     _grads(model, torch.randn(4, 16))
-    return reports
+    return cap.reports
 
 
 def _signature(report):
     return (report.saved_bytes, report.recompute_flops)
 
 
-def test_policies_differing_by_a_closure_value_get_splits_of_their_own():
+def test_policies_differing_by_a_closure_value_get_splits_of_their_own(capture):
     model = Stack(2)
     sc.sac_region(_factory(True))(model.layers[0])      # both named "Block": only the
     sc.sac_region(_factory(False))(model.layers[1])     # closure value tells them apart
-    reports = []
-    _compile_per_block(model, reports)
+    _compile_per_block(model, capture)
     _grads(model, torch.randn(4, 16))
-    assert len(reports) == 2                               # two splits, not one shared
+    assert len(capture.reports) == 2                       # two splits, not one shared
     torch._dynamo.reset()
     (saving,), (recomputing,) = _split_of(_factory(True))[:1], _split_of(_factory(False))[:1]
-    assert {_signature(r) for r in reports} == {_signature(saving), _signature(recomputing)}
+    assert {_signature(r) for r in capture.reports} == {_signature(saving),
+                                                        _signature(recomputing)}
     assert _signature(saving) != _signature(recomputing)
     assert recomputing.recompute_flops > 0 and saving.recompute_flops == 0
 
@@ -117,30 +116,27 @@ def _even_layers_save_matmuls(ctx, op, *args, **kwargs):
     return None
 
 
-def test_a_policy_reading_the_region_name_decides_per_layer_without_a_recompile_failure():
+def test_a_policy_reading_the_region_name_decides_per_layer_without_a_recompile_failure(capture):
     reference = Stack(10)
     model = copy.deepcopy(reference)
     sc.apply_regions(model, _even_layers_save_matmuls, where=Block)
-    reports = []
-    _compile_per_block(model, reports)     # fullgraph=True: a recompile failure would raise
+    _compile_per_block(model, capture)     # fullgraph=True: a recompile failure would raise
     x = torch.randn(4, 16)
     got = _grads(model, x)
     for a, b in zip(got, _grads(reference, x)):
         torch.testing.assert_close(a, b)
-    assert len(reports) == 10                               # one split per name
-    even = [r for r in reports if r.recompute_flops == 0]
-    odd = [r for r in reports if r.recompute_flops > 0]
+    assert len(capture.reports) == 10                       # one split per name
+    even = [r for r in capture.reports if r.recompute_flops == 0]
+    odd = [r for r in capture.reports if r.recompute_flops > 0]
     assert len(even) == len(odd) == 5
 
 
-def test_a_whole_model_compile_reports_each_block_by_its_own_name():
+def test_a_whole_model_compile_reports_each_block_by_its_own_name(capture):
     model = Stack(3)
     sc.apply_regions(model, policies.save_matmuls, where=Block)
-    reports = []
-    compiled = torch.compile(model, backend=make_backend(compiler="aot_eager",
-                                                          on_partition=reports.append))
+    compiled = torch.compile(model, backend=capture.backend())
     _grads(compiled, torch.randn(4, 16))
-    (report,) = reports
+    (report,) = capture.reports
     regions = {rec.region for rec in report.saved if rec.region}
     assert regions == {"layers.0", "layers.1", "layers.2"}
 
@@ -187,7 +183,7 @@ def test_a_wrapped_model_saves_loads_and_trains_the_same(policy):
         torch.testing.assert_close(a, b)
 
 
-def test_a_region_made_inside_compiled_code_compiles_and_is_exact():
+def test_a_region_made_inside_compiled_code_compiles_and_is_exact(capture):
     """sac_region applied while Dynamo traces: the identity rule does not run in traced
     code; the region passes its name and policy as constants instead of a group token."""
     def saves_mm(ctx, op, *args, **kwargs):
@@ -201,11 +197,9 @@ def test_a_region_made_inside_compiled_code_compiles_and_is_exact():
     body(x, w).sum().backward()
     expected = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    reports = []
     compiled = torch.compile(lambda x, w: sc.sac_region(saves_mm, name="Made")(body)(x, w).sum(),
-                             backend=make_backend(compiler="aot_eager",
-                                                  on_partition=reports.append))
+                             backend=capture.backend())
     compiled(x, w).backward()
     torch.testing.assert_close((x.grad, w.grad), expected)
-    assert len(reports) == 1
-    assert {r.region for r in reports[0].saved if r.op == "aten.mm.default"} == {"Made"}
+    assert len(capture.reports) == 1
+    assert {r.region for r in capture.reports[0].saved if r.op == "aten.mm.default"} == {"Made"}

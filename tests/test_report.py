@@ -100,7 +100,7 @@ saved 13.9 KiB, recomputed 5 ops (350208 FLOPs)
 
     def test_moe_save_matmuls(self):
         self.assertExpectedInline(_fixture_report("moe", policies.save_matmuls).snapshot(), """\
-saved 17.5 KiB, recomputed 100 ops (0 FLOPs)
+saved 17.5 KiB, recomputed 92 ops (0 FLOPs)
   keep 23 parameters (33.2 KiB, not counted)
   save input 1 KiB: input
   save aten._softmax.default 256 B: PREFER_RECOMPUTE overridden: saving 256 B costs no more than recomputing from 256 B, and saves the recompute
@@ -132,7 +132,6 @@ saved 17.5 KiB, recomputed 100 ops (0 FLOPs)
   recompute aten.native_layer_norm.default x2
   recompute aten.scatter.src x2
   recompute aten.select.int x8
-  recompute aten.slice.Tensor x8
   recompute aten.sum.dim_IntList x2
   recompute aten.t.default x19
   recompute aten.topk.default x10
@@ -337,7 +336,6 @@ def test_explain_leaves_grads_rng_and_buffers_as_they_were(mode):
     model[0].weight.grad = torch.full_like(model[0].weight, 7.0)  # the user's accumulated grad
     stats = model[1].running_mean.clone()
     rng = torch.get_rng_state()
-    torch._dynamo.reset()
     sc.explain(model, x, mode=mode)
     assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 7.0))
     assert model[3].weight.grad is None and x.grad is None

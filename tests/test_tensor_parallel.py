@@ -32,10 +32,6 @@ the join timeout is a hang guard.
 from __future__ import annotations
 
 import collections
-import datetime
-import multiprocessing
-import os
-import traceback
 
 import pytest
 import torch
@@ -43,12 +39,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fixtures import ranks
+from fixtures.ranks import COLLECTIVE_NAMESPACES, c10d_counter as _c10d_counter
 import sac_compile as sc
 from sac_compile import CheckpointPolicy as P, policies
 
 WORLD = 2
 TIMEOUT_S = 400
-COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 STEPS = 2
 
 
@@ -174,24 +171,6 @@ def _parallelize(model, mesh, sequence_parallel):
 
 # -- counting collectives ------------------------------------------------------------------
 
-def _c10d_counter():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class C10dCounter(TorchDispatchMode):
-        """Counts the collectives dispatched while active (backward runs on this thread)."""
-
-        def __init__(self):
-            super().__init__()
-            self.counts = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in COLLECTIVE_NAMESPACES:
-                self.counts[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    return C10dCounter()
-
-
 def _graph_collectives(gm):
     return collections.Counter(str(n.target) for n in gm.graph.nodes
                                if n.op == "call_function"
@@ -202,9 +181,9 @@ def _graph_collectives(gm):
 def _capturing_backend():
     """Our backend (aot_eager), with the backward graphs it compiles kept (a counting
     wrapper around its bw_compiler) and its partitioner's reports collected."""
-    from sac_compile.compiler import make_backend
-    reports = []
-    backend = make_backend(compiler="aot_eager", on_partition=reports.append)
+    from fixtures.capture import Captured
+    cap = Captured()
+    backend = cap.backend()
     backward_graphs = []
     inner = backend.kwargs["bw_compiler"]
 
@@ -213,7 +192,7 @@ def _capturing_backend():
         return inner(gm, example_inputs)
 
     backend.kwargs["bw_compiler"] = bw_compiler
-    return backend, backward_graphs, reports
+    return backend, backward_graphs, cap.reports
 
 
 # -- one run ------------------------------------------------------------------------------
@@ -346,70 +325,12 @@ CHECKS = [check_tp_eager, check_tp_sp_eager, check_tp_compiled, check_tp_sp_comp
           check_tp_sp_must_recompute]
 
 
-# -- spawning (as tests/test_fsdp.py) ------------------------------------------------------
-
-def _worker(rank, store_path, out_dir, names):
-    torch.set_num_threads(1)
-    results = {}
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
-        try:
-            for name in names:
-                try:
-                    results[name] = ("ok", globals()[name](rank))
-                except BaseException:
-                    results[name] = ("error", traceback.format_exc())
-                    break  # the ranks may now disagree on the next collective
-                finally:
-                    torch.save(results, path)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results["<setup>"] = ("error", traceback.format_exc())
-        torch.save(results, path)
-
-
 def _spawn(out_dir, names):
-    ctx = multiprocessing.get_context("spawn")
-    store = os.path.join(out_dir, "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, out_dir, names), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    # A hang guard, not a measurement: each rank gets at most TIMEOUT_S to finish.
-    for p in procs:
-        p.join(TIMEOUT_S)
-    stragglers = [p for p in procs if p.is_alive()]
-    for p in stragglers:
-        p.kill()
-        p.join(10)
-    results = []
-    for r in range(WORLD):
-        path = os.path.join(out_dir, f"rank{r}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return results, [p.pid for p in stragglers]
+    return ranks.spawn(__name__, out_dir, names, world=WORLD, timeout_s=TIMEOUT_S)
 
 
-def _result(results, name):
-    """Both ranks' results of check ``name``, or a failure saying why there are none."""
-    ranks, stragglers = results
-    values = []
-    for rank, res in enumerate(ranks):
-        if "<setup>" in res:
-            pytest.fail(f"rank {rank} could not start: {res['<setup>'][1]}")
-        if name not in res:
-            failed = [k for k, v in res.items() if v[0] == "error"]
-            why = f"check {failed[0]} failed first" if failed else \
-                f"killed at the {TIMEOUT_S} s deadline" if stragglers else "it did not run"
-            pytest.fail(f"rank {rank}: no result for {name} ({why})")
-        status, value = res[name]
-        if status != "ok":
-            pytest.fail(f"rank {rank}: {name} raised:\n{value}")
-        values.append(value)
-    return values
+def _result(spawned, name):
+    return ranks.result(spawned, name, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,6 @@ def test_save_hooks_need_none_of_the_offload_apis(monkeypatch):
 
 @pytest.mark.skipif(HAS_OFFLOAD_OPS, reason="this torch has the offload ops (torch.ops.ao)")
 def test_offload_under_compile_names_the_torch_it_needs():
-    torch._dynamo.reset()
 
     @sc.sac_region(lambda ctx, op, *a, **k: CP.MUST_CPU_OFFLOAD if op is aten.mm.default
                    else None, name="V")
@@ -63,7 +62,6 @@ def test_an_error_in_a_compiled_region_leaves_no_context_entered(where):
     """torch < 2.13's checkpoint leaves the context_fn's forward context entered when the
     region's forward raises; while the error is alive (pytest.raises keeps it), the next
     compile must not find our tagging mode, recorder or saved-tensor hooks still active."""
-    torch._dynamo.reset()
 
     @sc.sac_region("save_matmuls", name="R")
     def region(x):

@@ -37,9 +37,7 @@ def reports(monkeypatch):
         return out
 
     monkeypatch.setattr(SACPartitioner, "_partition", spy)
-    torch._dynamo.reset()
-    yield made
-    torch._dynamo.reset()
+    return made
 
 
 def _apply_ac_like_torchtitan(model):
@@ -89,7 +87,6 @@ def test_inductor_with_our_partitioner_gives_our_backends_splits(wrap, reports):
     ours_bytes, ours_recomputed = _bytes(reports), [r.recomputed for r in reports]
     assert ours_bytes and all(rep.solver != "upstream" for rep in reports)
     reports.clear()
-    torch._dynamo.reset()
     hooked = _train(WRAPS[wrap], "inductor", SACPartitioner())
     assert _bytes(reports) == ours_bytes
     assert [r.recomputed for r in reports] == ours_recomputed
@@ -104,6 +101,5 @@ def test_torchtitans_own_ac_and_our_regions_keep_the_same_bytes(reports):
     _train(WRAPS["torchtitan apply_ac"], "sac_inductor")
     theirs = set(_bytes(reports))
     reports.clear()
-    torch._dynamo.reset()
     _train(WRAPS["apply_regions(per_call)"], "sac_inductor")
     assert len(theirs) == 1 and set(_bytes(reports)) == theirs

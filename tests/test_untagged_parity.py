@@ -154,11 +154,9 @@ def capture_backend(partitioner: BothPartitioners, *, inductor_passes: bool = Fa
 
 
 @pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
+def no_autograd_cache():
     with torch._functorch.config.patch(enable_autograd_cache=False):
         yield
-    torch._dynamo.reset()
 
 
 def assert_no_worse(pairs: list[tuple[Split, Split]], what: str = "outside") -> None:
@@ -221,7 +219,7 @@ def _head_case(region: bool, **options) -> BothPartitioners:
     return part
 
 
-def test_loss_outside_a_region_keeps_no_more_than_upstream(fresh_dynamo):
+def test_loss_outside_a_region_keeps_no_more_than_upstream(no_autograd_cache):
     part = _head_case(region=True)
     assert_no_worse(part.pairs)
     assert_no_worse(part.pairs, "tail_outside")
@@ -230,7 +228,7 @@ def test_loss_outside_a_region_keeps_no_more_than_upstream(fresh_dynamo):
     assert not [op for op, _, _ in ours.kept.values() if op == "aten.eq.Tensor"], ours
 
 
-def test_untagged_graph_through_our_min_cut_keeps_no_more_than_upstream(fresh_dynamo):
+def test_untagged_graph_through_our_min_cut_keeps_no_more_than_upstream(no_autograd_cache):
     """No region at all, and no delegation to upstream: our cut alone, on untagged nodes."""
     part = _head_case(region=False, delegate_untagged=False)
     assert_no_worse(part.pairs)
@@ -257,7 +255,7 @@ def test_expanded_input_is_read_at_its_base_size():
 # Hugging Face Llama with HF's loss, as Inductor partitions it
 # --------------------------------------------------------------------------------------
 
-def test_hf_llama_loss_keeps_no_more_than_upstream(fresh_dynamo):
+def test_hf_llama_loss_keeps_no_more_than_upstream(no_autograd_cache):
     transformers = pytest.importorskip(
         "transformers", minversion="4.40",
         reason="Hugging Face transformers is not installed (pip install -e '.[integrations]')")

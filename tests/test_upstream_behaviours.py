@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from fixtures.capture import Captured
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as CP
 from sac_compile.compiler import SACPartitioner, make_backend
@@ -162,11 +163,10 @@ def test_function_with_more_than_one_output(mode):
         saved = [r.op for r in stats.saved]
         assert saved.count("aten.var_mean.correction") == 2
     else:
-        reports = []
-        compiled = torch.compile(region, backend=make_backend(compiler="aot_eager",
-                                                              on_partition=reports.append))
+        cap = Captured()
+        compiled = torch.compile(region, backend=cap.backend())
         _assert_same(fn, compiled, x, atol=1e-5, rtol=1e-5)
-        assert "aten.var_mean.correction" not in reports[0].recomputed
+        assert "aten.var_mean.correction" not in cap.reports[0].recomputed
 
 
 def test_function_with_non_tensor_output():
@@ -334,7 +334,7 @@ def test_random_op(mode, decision):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_outplace_and_inplace_op(inplace):
+def test_outplace_and_inplace_op(inplace, capture):
     # The policy sees the op as called: sigmoid or sigmoid_ (both modes).
     x, w = _inputs()
     target = aten.sigmoid_.default if inplace else aten.sigmoid.default
@@ -357,13 +357,10 @@ def test_outplace_and_inplace_op(inplace):
         region(*[t.detach().clone().requires_grad_() for t in (x, w)]).sum().backward()
     assert dict(stats.decisions)[str(target)].policy is CP.MUST_SAVE
     seen.clear()
-    reports = []
-    torch._dynamo.reset()
-    compiled = torch.compile(region, backend=make_backend(compiler="aot_eager",
-                                                          on_partition=reports.append))
+    compiled = torch.compile(region, backend=capture.backend())
     _assert_same(fn, compiled, x, w)
     assert target in seen
-    assert "aten.sigmoid.default" not in reports[0].recomputed
+    assert "aten.sigmoid.default" not in capture.reports[0].recomputed
 
 
 class _ScaledMM(torch.autograd.Function):
