@@ -425,3 +425,28 @@ def test_the_proposed_budget_is_valid_rounded_up_and_never_above_one():
         p = proposed_budget(*args)
         assert check_budget(p) == p and type(p) is type(args[0])
         assert (p * args[2] if isinstance(p, float) else p) >= args[1]
+
+
+def test_a_region_budget_counts_the_values_kept_in_its_values_place():
+    """Values outside the region computed only from its values (``cos(mm)`` for sin's
+    backward, ``t(sin)`` for addmm's) count against the region's own cap: at 10% the split
+    kept 64 KiB of them (no budget: 32 KiB) with a note saying the cap was met; now 10% is
+    unreachable with a proposal that works, and 50% keeps mm alone."""
+    from sac_compile import make_backend, sac_region
+    from sac_compile.errors import BudgetUnreachableError
+
+    def run(budget):
+        reports = []
+        region = sac_region(_must_mm_policy, name="R", memory_budget=budget)(_mlp_addmm)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, w: region(x, w).sum(),
+                           backend=make_backend(compiler="aot_eager", on_partition=reports.append))
+        x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+        fn(x, w).backward()
+        return reports[-1]
+
+    with pytest.raises(BudgetUnreachableError) as info:
+        run(0.1)
+    assert info.value.least_bytes == 16384 and info.value.proposed_budget == 0.5
+    kept = [(s.op, s.nbytes) for s in run(info.value.proposed_budget).saved if not s.is_input]
+    assert kept == [("aten.mm.default", 16384)]

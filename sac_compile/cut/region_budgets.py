@@ -157,12 +157,30 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
                 names[key] = set()
             groups[key].nodes.append(v)
             names[key].add(name)
+    _adopt_values_computed_from(groups, nodes)
     for key, group in groups.items():
         # Some of a whole-model budget's blocks (per-block compiles): the graph's cap comes
         # from the blocks' kinds and the price over them (model_price.py).
         group.partial = group.model is not None and bool(set(group.model.members) -
                                                          names[key])
     return list(groups.values())
+
+
+def _adopt_values_computed_from(groups: dict[object, BudgetGroup], nodes: list[fx.Node]
+                                ) -> None:
+    """A value outside every region that is computed only from one group's values (and
+    graph inputs) joins that group: the cut can keep it in their place (``cos(mm)`` for
+    ``sin``'s backward, ``t(sin)`` for addmm's), so the group's cap must count it, else a
+    budget of 10% kept twice what no budget keeps, its note saying the cap was met."""
+    owner = {v: key for key, group in groups.items() for v in group.nodes}
+    for v in nodes:
+        if v.op != "call_function" or v in owner or graph_meta.region_path(v):
+            continue
+        keys = {owner.get(a) for a in v.all_input_nodes if a.op != "placeholder"}
+        if len(keys) == 1 and None not in keys:
+            key = keys.pop()
+            owner[v] = key
+            groups[key].nodes.append(v)
 
 
 def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
