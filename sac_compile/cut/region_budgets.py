@@ -297,13 +297,13 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
     return res, _facts(figures, groups, idx, sol_bytes, extra)
 
 
-def _by_region(group: BudgetGroup, idx: dict[fx.Node, int], members: set[int]
+def _by_region(group: BudgetGroup, idx: dict[fx.Node, int], members: set[int] | None = None
                ) -> dict[str, set[int]]:
-    """The indices of each of the group's regions' values among ``members``."""
+    """The indices of each of the group's regions' values (among ``members``, if given)."""
     by_region: dict[str, set[int]] = {}
     for v in group.nodes:
         i = idx.get(v)
-        if i is None or i not in members:
+        if i is None or (members is not None and i not in members):
             continue
         for _, name, budget in graph_meta.region_budgets(v):
             if budget.model is group.model:
@@ -318,12 +318,7 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
     for group in groups:
         if group.model is None:
             continue
-        by_region: dict[str, set[int]] = {}
-        for v in group.nodes:
-            if v in idx:
-                for _, name, budget in graph_meta.region_budgets(v):
-                    if budget.model is group.model:
-                        by_region.setdefault(name, set()).add(idx[v])
+        by_region = _by_region(group, idx)
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}
         model = group.model
         model.shares.update(shares)
