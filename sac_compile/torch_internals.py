@@ -176,6 +176,14 @@ _LAZY: dict[str, _Entry] = {
     "CustomPartitionerFn": _Entry("torch._inductor.custom_graph_pass", "CustomPartitionerFn"),
     "CustomGraphPass": _Entry("torch._inductor.custom_graph_pass", "CustomGraphPass"),
     "get_hash_for_files": _Entry("torch._inductor.custom_graph_pass", "get_hash_for_files"),
+    # The scheduler passes (CustomSchedulerPass, run before and after fusion) that put
+    # compiler/near_fusion.py's fusion veto in front of Inductor's choices handler (V,
+    # torch._inductor.virtualized) while one graph fuses. Verified on 2.13 only; a torch
+    # without them compiles without the veto (near_fusion_patches returns the patches as
+    # given), so a change costs Inductor's peak on traversals that share parameters.
+    "CustomSchedulerPass": _Entry("torch._inductor.custom_graph_pass", "CustomSchedulerPass",
+                                  "2.13"),
+    "inductor_virtualized": _Entry("torch._inductor.virtualized", None),
     # Tracing SaveWithHooks into the graphs: make_fx with Inductor's decompositions, and
     # the fake tensor's metadata for the traced values.
     "fwd_only": _Entry("torch._inductor.pattern_matcher", "fwd_only"),

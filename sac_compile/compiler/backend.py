@@ -28,6 +28,7 @@ from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInducto
                                get_hash_for_files)
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
+from .near_fusion import near_fusion_patches
 from .normalize import remove_markers
 from .partition import SACPartitioner
 from .tagging import sac_partitioning
@@ -148,7 +149,7 @@ def inductor_patches(partitioner: SACPartitioner, mode: str | None,
     then = patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
     patches["custom_partitioner_fn"] = partitioner
     patches["post_grad_custom_pre_pass"] = RemoveMarkers(then)
-    return patches
+    return near_fusion_patches(config, patches)
 
 
 class RemoveMarkers(CustomGraphPass):
