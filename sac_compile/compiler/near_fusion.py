@@ -121,15 +121,18 @@ def _passes() -> Any:
     class NearFusionChoices:
         """``V.choices`` while one scheduler fuses: our veto, then the handler before."""
 
-        def __init__(self, prior: Any) -> None:
-            self.prior = prior
+        def __init__(self, prior: Any, scheduler: Any) -> None:
+            self.prior, self.scheduler = prior, scheduler
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.prior, name)
 
         def can_fuse(self, scheduler: Any, node1: Any, node2: Any,
                      shared_data_score: int) -> bool:
-            if is_distant_reuse(scheduler, node1, node2):
+            # only the scheduler it was installed for: a schedule that raised between
+            # the two passes leaves this handler behind, and another compile (not ours)
+            # must not get the veto
+            if scheduler is self.scheduler and is_distant_reuse(scheduler, node1, node2):
                 return False
             return self.prior.can_fuse(scheduler, node1, node2, shared_data_score)
 
@@ -143,7 +146,8 @@ def _passes() -> Any:
             prior = V.choices
             while isinstance(prior, NearFusionChoices):  # left by a failed schedule
                 prior = prior.prior
-            V.set_choices_handler(NearFusionChoices(prior))
+            scheduler = getattr(nodes[0], "scheduler", None) if nodes else None
+            V.set_choices_handler(NearFusionChoices(prior, scheduler))
             return nodes if self.then is None else self.then(nodes)
 
         def uuid(self) -> Any:
