@@ -450,3 +450,22 @@ def test_a_region_budget_counts_the_values_kept_in_its_values_place():
     assert info.value.least_bytes == 16384 and info.value.proposed_budget == 0.5
     kept = [(s.op, s.nbytes) for s in run(info.value.proposed_budget).saved if not s.is_input]
     assert kept == [("aten.mm.default", 16384)]
+
+
+@pytest.mark.parametrize("mutated", ["x", "w"])
+def test_mutation_before_backward_under_a_region_budget_is_refused(mutated):
+    """Around the region: an input changed in place between forward and backward, under a
+    region's own budget (whose group now holds values outside the region, computed from
+    its values): autograd's version check refuses it; never a silent wrong gradient."""
+    from sac_compile import make_backend, sac_region
+
+    region = sac_region(_must_mm_policy, name="R", memory_budget=0.5)(_mlp_addmm)
+    fn = torch.compile(lambda x, w: region(x, w).sum(),
+                       backend=make_backend(compiler="aot_eager"))
+    x, w = _inputs(64)
+    args = {"x": x * 1, "w": w * 1}
+    loss = fn(args["x"], args["w"])
+    with torch.no_grad():
+        args[mutated].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
