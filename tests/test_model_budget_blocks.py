@@ -175,3 +175,65 @@ def _backend_per_block():
     _check_grads(_grads(model, x), want)
     assert sorted({_kept(r) for r in reports[N:]}) == [6144, 10496]
     assert sum(_kept(r) for r in reports[N:]) == 99_840
+
+
+CACHE_SCRIPT = """
+import copy, json, sys, torch
+import sac_compile as sc
+from sac_compile import policies
+from sac_compile._bench.models import GPT, GPTBlock
+from torch._dynamo.utils import counters
+
+torch.manual_seed(0)
+reference = GPT(32, 4, 12, 8, dropout=0.0)
+model = copy.deepcopy(reference)
+sc.apply_regions(model, policies.relaxed(policies.save_matmuls), where=GPTBlock,
+                 memory_budget=int(sys.argv[1]))
+for block in model.blocks:
+    block.compile(backend=sc.sac_backend, fullgraph=True)
+x = torch.randn(2, 8, 32)
+params = {id(p) for p in model.parameters()}
+kept = []
+
+def pack(t):
+    if id(t) not in params and t.requires_grad is False and t.dim() > 0:
+        kept.append(t.untyped_storage().nbytes())
+    return t
+
+def grads(m, hooks):
+    m.zero_grad(set_to_none=True)
+    if hooks:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(x).pow(2).sum()
+    else:
+        loss = m(x).pow(2).sum()
+    loss.backward()
+    return [p.grad for p in m.parameters()]
+
+want = grads(reference, False)
+got = grads(model, True)
+error = max((a - b).abs().max().item() for a, b in zip(got, want))
+aot = counters["aot_autograd"]
+print(json.dumps({k: aot.get("autograd_cache_" + k, 0) for k in ("hit", "miss", "bypass")}
+                 | {"kept": sum(kept), "error": error}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_sharing_the_cache_gets_its_own_budgets_split(tmp_path):
+    """Around the region: processes sharing a compile cache, 12 identical GPT blocks
+    compiled one by one under one whole-model budget. The same budget again is a cache hit
+    keeping the same bytes; another budget misses and keeps what that budget allows (a
+    served stale split would keep the first budget's bytes). Gradients equal no
+    checkpointing's in every process."""
+    from fixtures.cache_process import run_with_cache
+
+    cold = run_with_cache(CACHE_SCRIPT, "100000", tmp_path)
+    warm = run_with_cache(CACHE_SCRIPT, "100000", tmp_path)
+    tighter = run_with_cache(CACHE_SCRIPT, "50000", tmp_path)
+    assert cold["miss"] >= 1 and cold["hit"] == 0, cold
+    assert warm["hit"] >= 1 and warm["miss"] == 0 and warm["kept"] == cold["kept"], warm
+    assert tighter["miss"] >= 1 and tighter["hit"] == 0, tighter
+    assert tighter["kept"] < cold["kept"], (tighter, cold)
+    for run in (cold, warm, tighter):
+        assert run["error"] < 1e-5, run

@@ -81,6 +81,11 @@ def test_fusion_veto_chains_the_users_scheduler_passes():
     assert "theirs-v1" in repr(post.uuid())
     plain = inductor_patches(SACPartitioner(), None, None)
     assert plain["_pre_fusion_custom_pass"].uuid() != post.uuid()
+    # Inductor's FX graph cache pickles the pass after fusion into its key (a pass that
+    # does not pickle makes every graph bypass the cache), with the code's hash
+    import pickle
+    key = pickle.dumps(plain["_post_fusion_custom_pass"])
+    assert plain["_post_fusion_custom_pass"].uuid().encode() in key
 
 
 @pytest.mark.slow

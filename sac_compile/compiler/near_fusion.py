@@ -21,9 +21,10 @@ How: Inductor's fusion heuristics are its ``InductorChoices`` handler (``V.choic
 scheduler pass run just before fusion (``_pre_fusion_custom_pass``) installs a handler
 that asks ours first and then the handler that was there; the pass run just after fusion
 (``_post_fusion_custom_pass``) puts the previous one back. Both are ``CustomSchedulerPass``
-values with a ``uuid()``, so Inductor's FX graph cache keys the graphs they schedule (a
-graph scheduled without the veto is not served to our backend). A torch without these
-hooks compiles as before (no veto).
+values (registered as such when first used, so importing sac_compile loads no Inductor);
+Inductor's FX graph cache pickles the one after fusion into its key, with this file's
+hash, so a graph scheduled without the veto (or under another version of it) is not served
+to our backend. A torch without these hooks compiles as before (no veto).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from ..torch_internals import TorchAPIMissing
 
-__all__ = ["near_fusion_patches", "DISTANCE"]
+__all__ = ["near_fusion_patches", "is_distant_reuse", "DISTANCE"]
 
 DISTANCE = 64  # nodes apart, as torch's are_long_distant_nodes
 
@@ -47,13 +48,15 @@ def near_fusion_patches(config: Any, patches: dict[str, Any]) -> dict[str, Any]:
     if not hasattr(config, "_pre_fusion_custom_pass") or \
             not hasattr(config, "_post_fusion_custom_pass"):
         return patches
+    for cls in (Install, Restore):  # what Inductor's cache checks for (isinstance)
+        if not issubclass(cls, CustomSchedulerPass):
+            CustomSchedulerPass.register(cls)
     before = patches.get("_pre_fusion_custom_pass", config._pre_fusion_custom_pass)
     after = patches.get("_post_fusion_custom_pass", config._post_fusion_custom_pass)
-    if isinstance(before, _passes().Install):
+    if isinstance(before, Install):
         return patches  # already ours
-    passes = _passes()
-    return {**patches, "_pre_fusion_custom_pass": passes.Install(before),
-            "_post_fusion_custom_pass": passes.Restore(after)}
+    return {**patches, "_pre_fusion_custom_pass": Install(before),
+            "_post_fusion_custom_pass": Restore(after)}
 
 
 def is_distant_reuse(scheduler: Any, node1: Any, node2: Any) -> bool:
@@ -100,77 +103,70 @@ def _hint(sizevars: Any, numel: Any) -> int:
     return int(hint(numel))
 
 
-_PASSES: list[Any] = []
+class NearFusionChoices:
+    """``V.choices`` while one scheduler fuses: our veto, then the handler before."""
+
+    def __init__(self, prior: Any, scheduler: Any) -> None:
+        self.prior, self.scheduler = prior, scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.prior, name)
+
+    def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        # only the scheduler it was installed for: a schedule that raised between the two
+        # passes leaves this handler behind, and another compile (not ours) must not get
+        # the veto
+        if scheduler is self.scheduler and is_distant_reuse(scheduler, node1, node2):
+            return False
+        return self.prior.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
-def _passes() -> Any:
-    """The pass classes, made on first use (their base class is Inductor's)."""
-    if _PASSES:
-        return _PASSES[0]
-    from ..torch_internals import CustomSchedulerPass, get_hash_for_files, \
-        inductor_virtualized
+class _SchedulerPass:
+    """A scheduler pass that runs ``then`` (the user's pass of the same name) after its
+    own step; keyed by this file's hash and ``then``'s key."""
 
-    V = inductor_virtualized.V
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
 
-    def chained_uuid(then: Any) -> Any:
+    def __call__(self, nodes: list[Any]) -> list[Any]:
+        from ..torch_internals import inductor_virtualized
+        self.step(inductor_virtualized.V, nodes)
+        return nodes if self.then is None else self.then(nodes)
+
+    def step(self, V: Any, nodes: list[Any]) -> None:  # noqa: N803 - Inductor's name
+        raise NotImplementedError
+
+    def uuid(self) -> Any:
+        from ..torch_internals import get_hash_for_files
         own = get_hash_for_files((__file__,)).hex()
-        if then is None:
+        if self.then is None:
             return own
-        return (own, then.uuid() if hasattr(then, "uuid") else repr(then))
+        return (own, self.then.uuid() if hasattr(self.then, "uuid") else repr(self.then))
 
-    class NearFusionChoices:
-        """``V.choices`` while one scheduler fuses: our veto, then the handler before."""
+    def __getstate__(self) -> dict[str, Any]:
+        # what Inductor's cache key pickles (the pass after fusion is pickled, not asked
+        # for its uuid): the code's hash with the chained pass
+        return {"then": self.then, "uuid": self.uuid()}
 
-        def __init__(self, prior: Any, scheduler: Any) -> None:
-            self.prior, self.scheduler = prior, scheduler
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.then = state["then"]
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.prior, name)
 
-        def can_fuse(self, scheduler: Any, node1: Any, node2: Any,
-                     shared_data_score: int) -> bool:
-            # only the scheduler it was installed for: a schedule that raised between
-            # the two passes leaves this handler behind, and another compile (not ours)
-            # must not get the veto
-            if scheduler is self.scheduler and is_distant_reuse(scheduler, node1, node2):
-                return False
-            return self.prior.can_fuse(scheduler, node1, node2, shared_data_score)
+class Install(_SchedulerPass):
+    """Before fusion: our fusion veto in front of the current choices handler."""
 
-    class Install(CustomSchedulerPass):
-        """Before fusion: our fusion veto in front of the current choices handler."""
+    def step(self, V: Any, nodes: list[Any]) -> None:  # noqa: N803
+        prior = V.choices
+        while isinstance(prior, NearFusionChoices):  # left by a schedule that raised
+            prior = prior.prior
+        scheduler = getattr(nodes[0], "scheduler", None) if nodes else None
+        V.set_choices_handler(NearFusionChoices(prior, scheduler))
 
-        def __init__(self, then: Any = None) -> None:
-            self.then = then
 
-        def __call__(self, nodes: list[Any]) -> list[Any]:
-            prior = V.choices
-            while isinstance(prior, NearFusionChoices):  # left by a failed schedule
-                prior = prior.prior
-            scheduler = getattr(nodes[0], "scheduler", None) if nodes else None
-            V.set_choices_handler(NearFusionChoices(prior, scheduler))
-            return nodes if self.then is None else self.then(nodes)
+class Restore(_SchedulerPass):
+    """After fusion: the choices handler there was before :class:`Install`."""
 
-        def uuid(self) -> Any:
-            return chained_uuid(self.then)
-
-    class Restore(CustomSchedulerPass):
-        """After fusion: the choices handler there was before :class:`Install`."""
-
-        def __init__(self, then: Any = None) -> None:
-            self.then = then
-
-        def __call__(self, nodes: list[Any]) -> list[Any]:
-            current = V.choices
-            if isinstance(current, NearFusionChoices):
-                V.set_choices_handler(current.prior)
-            return nodes if self.then is None else self.then(nodes)
-
-        def uuid(self) -> Any:
-            return chained_uuid(self.then)
-
-    class Passes:
-        pass
-
-    Passes.Install, Passes.Restore, Passes.Choices = Install, Restore, NearFusionChoices
-    _PASSES.append(Passes)
-    return Passes
+    def step(self, V: Any, nodes: list[Any]) -> None:  # noqa: N803
+        current = V.choices
+        if isinstance(current, NearFusionChoices):
+            V.set_choices_handler(current.prior)
