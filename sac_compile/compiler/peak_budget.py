@@ -22,7 +22,12 @@ part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_
 3. bisects (:data:`BISECT_STEPS`) between the largest of those whose peak fits and the
    next one up;
 4. keeps the cheapest cut tried (the solver's objective: recompute cost, offload cost,
-   kept inputs) whose modelled peak fits; on a tie the lower peak.
+   kept inputs) whose modelled peak fits; on a tie the lower peak;
+5. puts values that cut recomputes back, one by one (:func:`_put_back`), while the
+   modelled peak fits and the cost drops: which values a peak affords to keep is not
+   what a kept-byte budget sees (among identical blocks the budget solver evicts the
+   last blocks' values, whose recompute comes first in the backward, with all the
+   others still alive).
 
 None fits: :class:`~sac_compile.errors.BudgetUnreachableError` with the least modelled
 peak found (``least_bytes``; a search, not a proof that none lower exists) and a
@@ -45,9 +50,10 @@ from .. import graph_meta
 from ..budgets import PeakBudget, proposed_budget
 from ..errors import BudgetUnreachableError
 from ..cut.budget import BudgetResult
-from ..cut.network import FlowNetwork
+from ..cut import costs
+from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
-from .boundaries import boundary_values, solve_lowering_peak, with_floor
+from .boundaries import boundary_values, recomputed_by, solve_lowering_peak, with_floor
 from .facts import Floor, PeakFit
 from .peak import cut_peak
 
@@ -55,6 +61,7 @@ __all__ = ["solve_peak_budget", "GRID", "BISECT_STEPS"]
 
 GRID = 6            # kept-byte budgets tried evenly between the least and the unconstrained
 BISECT_STEPS = 8    # then bisected between the largest that fits and the next one up
+PUT_BACK_TRIES = 64  # then values the chosen cut recomputes, kept while the peak fits
 
 # What the budget solver returns: its result and the regions' figures (None: no regions).
 Solved = tuple[BudgetResult, Any]
@@ -126,11 +133,66 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
             else:
                 hi = mid
     best = min(fits, key=lambda c: (c.cost, c.peak, c.kept_bytes))
+    if best is not base:
+        best = _put_back(gm, net, best, cap)
     for u, fact in best.facts.items():
         graph_meta.set_boundary(u, fact)
     return best.solved, best.floor, PeakFit(cap, best.peak, base.peak, best.kept_cap,
                                             len(tried), len(fits),
                                             min(c.peak for c in tried))
+
+
+def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx.Node]]:
+    """What a cut keeping ``kept`` recomputes, and its recompute cost (a budget's: an
+    upstream ban it lifts at its cost)."""
+    again = recomputed_by(net.cls, kept)
+    idx = net.cls.index
+    return sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
+               for v in again), again
+
+
+def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
+              cap: int) -> _Candidate:
+    """``best`` with values it recomputes kept after all, one at a time, most expensive to
+    recompute first (:data:`PUT_BACK_TRIES` at most), while the modelled peak still fits
+    and the cost drops. A kept-byte budget does not see *which* values the peak can
+    afford to keep: among identical blocks the cut gives way at the last ones (their
+    recompute comes first in the backward, while the other blocks' kept values are
+    alive); keeping one of those and recomputing an earlier block's lowers the peak at
+    the same cost."""
+    res = best.solved[0]
+    kept = set(res.saved)
+    cost, again = _recompute_cost(net, kept)
+    idx = net.cls.index
+    pool = sorted((v for v in again if v.op == "call_function" and not costs.is_view(v)
+                   and net.save_cost[idx[v]] not in (0, INF)),
+                  key=lambda v: -net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]]))
+    added: list[fx.Node] = []
+    peak = best.peak
+    for v in pool[:PUT_BACK_TRIES]:
+        if v not in again:  # no longer recomputed: a value put back before needs it
+            continue
+        trial = kept | {v}
+        trial_cost, trial_again = _recompute_cost(net, trial)
+        if trial_cost >= cost:
+            continue
+        trial_peak = cut_peak(gm.graph, net.cls, trial)
+        if trial_peak <= cap:
+            kept, cost, again, peak = trial, trial_cost, trial_again, trial_peak
+            added.append(v)
+    if not added:
+        return best
+    rng = sum(net.recompute_bytes.get(idx[v], 0.0) for v in again)
+    acts = [v for v in kept if v.op != "placeholder"]
+    saved = [v for v in net.cls.nodes if v in kept]
+    _, before = _recompute_cost(net, set(res.saved))
+    solved = dataclasses.replace(
+        res, saved=saved, activation_bytes=int(sum(net.device_bytes(acts, res.weight)) + rng),
+        evicted=[v for v in res.evicted if v not in kept],
+        cost=res.cost - (sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
+                             for v in before) - cost),
+        method=f"{res.method}, {len(added)} values put back under the peak")
+    return dataclasses.replace(best, solved=(solved, best.solved[1]), peak=peak)
 
 
 def _least_kept(net: FlowNetwork, under: Callable[[FlowNetwork, float | int], Solved]
