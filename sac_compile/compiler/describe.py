@@ -129,7 +129,7 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
     if res.lifted:
         ops = sorted({costs.op_label(v) for v in res.lifted})
         report.notes.append(
-            f"memory budget {label}: {len(res.lifted)} untagged ops recomputed that "
+            f"{_budget_word(cut)} {label}: {len(res.lifted)} untagged ops recomputed that "
             f"torch's partitioner would keep ({', '.join(ops[:4])}"
             f"{', ...' if len(ops) > 4 else ''}; CostModel("
             f"budget_lifts_upstream_bans=False) keeps them)")

@@ -139,7 +139,7 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         graph_meta.set_boundary(u, fact)
     return best.solved, best.floor, PeakFit(cap, best.peak, base.peak, best.kept_cap,
                                             len(tried), len(fits),
-                                            min(c.peak for c in tried))
+                                            min(best.peak, *(c.peak for c in tried)))
 
 
 def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx.Node]]:
