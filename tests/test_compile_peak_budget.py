@@ -125,6 +125,9 @@ def test_stack_unreachable_peak_proposes_a_peak_budget_that_is_met(reference):
     assert e.least_bytes == 1_181_700 and e.unconstrained_bytes == free.peak.bytes
     assert e.proposed_budget == PeakBudget(1_181_700)
     assert "memory_budget=PeakBudget(value=1181700)" in str(e)
+    again = pickle.loads(pickle.dumps(e))
+    assert (again.budget, again.least_bytes, again.proposed_budget) == \
+        (e.budget, e.least_bytes, e.proposed_budget)
     report, _, grads = _run(e.proposed_budget)
     assert report.peak.bytes <= 1_181_700
     _exact(grads, ref)
@@ -134,6 +137,24 @@ def test_stack_unreachable_peak_proposes_a_peak_budget_that_is_met(reference):
     proposed = info.value.proposed_budget
     assert isinstance(proposed.value, float) and proposed.value * free.peak.bytes >= 1_181_700
     assert _run(proposed)[0].peak.bytes <= proposed.value * free.peak.bytes
+
+
+def test_peak_budget_under_region_budgets():
+    """Regions with their own (kept-byte) budgets: each kept-byte budget the search tries
+    is solved under them too; the peak fits and each region keeps within its budget."""
+    torch._dynamo.reset()
+    model, x = Stack(policy=RELAXED, checkpoint="none"), stack_inputs()
+    for i, block in enumerate(model.blocks):
+        sc.sac_region(RELAXED, name=f"blocks.{i}", memory_budget=0.5)(block)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, backend=make_backend(
+        compiler="aot_eager", memory_budget=PeakBudget(1_300_000),
+        on_partition=reports.append))
+    meter, _ = step_peak(fn, list(model.parameters()), [x])
+    report = reports[-1]
+    assert report.peak.bytes <= 1_300_000
+    assert any(n.startswith("peak 1.2 MiB: modelled peak") for n in report.notes)
+    assert any("keeps" in n and "cap" in n for n in report.notes)  # the regions' groups
 
 
 def test_full_peak_budget_is_the_split_without_a_budget(reference):
