@@ -58,7 +58,7 @@ def test_peak_budget_value_forms():
     assert PeakBudget("2MiB") == PeakBudget(2 * 2**20)
     assert PeakBudget(0.5).value == 0.5
     assert PeakBudget(0.5).cap(1000) == 500 and PeakBudget(4096).cap(1000) == 4096
-    assert PeakBudget("1.5k").label() == "peak 1.5 KiB" or PeakBudget("1.5k").value == 1500
+    assert PeakBudget("1.5k").value == 1500 and PeakBudget(0.5).label() == "peak 50%"
     b = PeakBudget("64MiB")
     assert pickle.loads(pickle.dumps(b)) == b
     assert hash(b) == hash(PeakBudget(64 * 2**20)) and {b: 1}[PeakBudget("64MiB")] == 1
@@ -203,11 +203,11 @@ def _enumerate(gm, net):
 def _recompute_cost(net, kept):
     """(cost in the solver's units, FLOPs) of what a split keeping ``kept`` recomputes;
     None where it would recompute what may not be."""
-    from sac_compile.compiler.boundaries import recomputed_by as _recomputed
+    from sac_compile.compiler.boundaries import recomputed_by
     from sac_compile.cut import costs
     from sac_compile.cut.network import INF
     cost = flops = 0
-    for v in _recomputed(net.cls, set(kept)):
+    for v in recomputed_by(net.cls, set(kept)):
         i = net.cls.index[v]
         c = net.lifted_under_budget.get(i, net.recompute_cost[i])
         if c == INF:
@@ -216,7 +216,7 @@ def _recompute_cost(net, kept):
     return cost, flops
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fast_rule_against_enumeration_on_small_graphs(n, monkeypatch):
     """``n`` blocks, each a relaxed save_matmuls region (9 and 13 values a split may keep:
     512 and 8,192 splits, enumerated). For 9 caps from the least peak any split reaches
