@@ -79,10 +79,11 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
                    HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor)
     facts = None
     if isinstance(memory_budget, PeakBudget):
-        def under(n: FlowNetwork, kept_cap: float | int) -> tuple[BudgetResult, Any]:
-            if regions:
+        def under(n: FlowNetwork, kept_cap: float | int,
+                  exact: bool) -> tuple[BudgetResult, Any]:
+            if regions:  # (always by the exact program)
                 return solve_with_region_budgets(n, regions, kept_cap, solver)
-            return solve_with_budget(n, kept_cap, solver), None
+            return solve_with_budget(n, kept_cap, solver, exact=exact), None
 
         (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],

@@ -16,13 +16,15 @@ part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_
    error at a 2-byte budget), without the region-boundary floor and with it (below the
    floor's least the floor is refused, the backward recomputes across regions and the
    peak jumps up), and solves at each and at :data:`GRID` kept-byte budgets evenly between
-   each and the unconstrained cut's bytes, each with the existing budget solver (the
-   Lagrangian search, made exact by the MILP on splits up to 2,000 nodes; each through
-   the floor, where it lowers the peak);
+   each and the unconstrained cut's bytes, each with the existing budget solver's
+   Lagrangian search (each through the floor, where it lowers the peak);
 3. bisects (:data:`BISECT_STEPS`) between the largest of those whose peak fits and the
    next one up;
 4. keeps the cheapest cut tried (the solver's objective: recompute cost, offload cost,
-   kept inputs) whose modelled peak fits; on a tie the lower peak;
+   kept inputs) whose modelled peak fits, on a tie the lower peak; solves its kept-byte
+   budget again with the exact program (the MILP, splits up to 2,000 nodes), whose cut
+   replaces it where it is cheaper and its peak fits too (one MILP per split, not one
+   per budget tried);
 5. puts values that cut recomputes back, one by one (:func:`_put_back`), while the
    modelled peak fits and the cost drops: which values a peak affords to keep is not
    what a kept-byte budget sees (among identical blocks the budget solver evicts the
@@ -85,17 +87,18 @@ class _Candidate:
 
 
 def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
-                      under: Callable[[FlowNetwork, float | int], Solved]
+                      under: Callable[[FlowNetwork, float | int, bool], Solved]
                       ) -> tuple[Solved, Floor, PeakFit]:
-    """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap)`` solves
-    ``net`` under a kept-byte budget (``1.0``: none). Returns the chosen solve, what the
+    """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
+    solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
+    solver's exact program). Returns the chosen solve, what the
     region-boundary floor did for it, and how the budget was met."""
     tried: list[_Candidate] = []
 
-    def candidate(kept_cap: int | None) -> _Candidate | None:
+    def candidate(kept_cap: int | None, exact: bool = False) -> _Candidate | None:
         value: float | int = 1.0 if kept_cap is None else max(int(kept_cap), 2)
         try:
-            solved, floor = solve_lowering_peak(gm, net, lambda n: under(n, value),
+            solved, floor = solve_lowering_peak(gm, net, lambda n: under(n, value, exact),
                                                 lambda r: r[0].saved)
         except BudgetUnreachableError:  # (the regions' own caps)
             return None
@@ -134,6 +137,10 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                 hi = mid
     best = min(fits, key=lambda c: (c.cost, c.peak, c.kept_bytes))
     if best is not base:
+        exact = candidate(best.kept_cap, exact=True)
+        if exact is not None and exact.peak <= cap and exact.cost < best.cost:
+            fits.append(exact)
+            best = exact
         best = _put_back(gm, net, best, cap)
     for u, fact in best.facts.items():
         graph_meta.set_boundary(u, fact)
@@ -195,7 +202,7 @@ def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
     return dataclasses.replace(best, solved=(solved, best.solved[1]), peak=peak)
 
 
-def _least_kept(net: FlowNetwork, under: Callable[[FlowNetwork, float | int], Solved]
+def _least_kept(net: FlowNetwork, under: Callable[[FlowNetwork, float | int, bool], Solved]
                 ) -> list[int]:
     """The least kept bytes reachable (the budget solver's error at a 2-byte budget), and
     the least with the region-boundary floor (whose kept boundaries make the peak
@@ -204,7 +211,7 @@ def _least_kept(net: FlowNetwork, under: Callable[[FlowNetwork, float | int], So
     boundary = boundary_values(net.cls, net)
     for n in (net, with_floor(net, boundary)) if boundary else (net,):
         try:
-            under(n, 2)
+            under(n, 2, False)
             out.append(2)
         except BudgetUnreachableError as e:
             out.append(int(e.least_bytes))
