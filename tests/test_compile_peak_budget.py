@@ -107,6 +107,9 @@ def test_stack_peak_fits_and_gradients_are_exact(cap, reference):
     note = next(n for n in report.notes if n.startswith(f"peak {sc.report.fmt_bytes(cap)}"))
     assert "modelled peak" in note and "the cheapest to recompute" in note
     assert all("so that the split's modelled peak fits" in r.reason for r in report.evicted)
+    line = report.snapshot().splitlines()[1]
+    assert line.startswith(f"  peak {sc.report.fmt_bytes(cap)} = {sc.report.fmt_bytes(cap)}: "
+                           f"modelled peak {sc.report.fmt_bytes(report.peak.bytes)}, "), line
 
 
 def test_stack_recompute_falls_as_the_cap_rises():
