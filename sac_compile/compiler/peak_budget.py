@@ -95,8 +95,8 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                       ) -> tuple[Solved, Floor, PeakFit]:
     """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
     solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
-    solver's exact program). Returns the chosen solve, what the
-    region-boundary floor did for it, and how the budget was met."""
+    solver's exact program). Returns the chosen solve, what the region-boundary floor did
+    for it, and how the budget was met."""
     tried: list[_Candidate] = []
     exact_each = len(net.cls.nodes) <= EXACT_EACH_MAX_NODES
 
@@ -105,7 +105,9 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         try:
             solved, floor = solve_lowering_peak(gm, net, lambda n: under(n, value, exact),
                                                 lambda r: r[0].saved)
-        except BudgetUnreachableError:  # (the regions' own caps)
+        except BudgetUnreachableError:  # the regions' own caps, under this kept-byte cap
+            if kept_cap is None:  # (not even without one: their error, as it is)
+                raise
             return None
         facts = {u: f for u in floor.held if (f := graph_meta.pop_boundary(u)) is not None}
         c = _Candidate(kept_cap, solved, floor, facts, cut_peak(gm.graph, net.cls,
@@ -114,7 +116,7 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         return c
 
     base = candidate(None)
-    assert base is not None  # no kept-byte cap: nothing to miss
+    assert base is not None  # (it raises instead)
     cap = budget.cap(base.peak)
     fits = [base] if base.peak <= cap else []
     if not fits:
@@ -123,8 +125,7 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         for least in _least_kept(net, under):  # without the floor, and with it
             caps.add(least)
             caps.update(least + (most - least) * k // (GRID + 1) for k in range(1, GRID + 1))
-        caps = sorted(c for c in caps if c < most)
-        grid = [c for c in (candidate(c) for c in caps) if c is not None]
+        grid = [c for c in (candidate(k) for k in sorted(caps) if k < most) if c is not None]
         fits = [c for c in grid if c.peak <= cap]
         if not fits:
             raise _unreachable(budget, cap, tried, base)
