@@ -5,6 +5,7 @@ The public surface::
 
     CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
     BudgetUnreachableError        # a memory budget out of reach, with a budget that is met
+    PeakBudget                    # memory_budget=PeakBudget("2GiB"): cap a compiled split's peak
     sac_region, checkpoint, apply_regions, tag, name                   # where they apply
     policies, per_call                                # presets that compose; per-call state
     sac_backend, make_backend, SACPartitioner                          # torch.compile
@@ -13,6 +14,7 @@ The public surface::
 from typing import Any
 
 from . import logs, policies  # logs: honours SAC_COMPILE_LOGS for every user, CLI or not
+from .budgets import PeakBudget
 from .errors import BudgetUnreachableError
 from .policy import CheckpointError, CheckpointPolicy, PolicyContext, SaveWithHooks
 from .per_call import per_call
@@ -40,6 +42,7 @@ def __getattr__(attr: str) -> Any:
     return value
 
 
-__all__ = ["BudgetUnreachableError", "CheckpointError", "CheckpointPolicy", "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
+__all__ = ["BudgetUnreachableError", "CheckpointError", "CheckpointPolicy", "PeakBudget",
+           "PolicyContext", "SaveWithHooks", "apply_regions", "checkpoint",
            "logs", "name", "per_call", "policies", "sac_region", "tag", *_LAZY]
 __version__ = "0.1.0"

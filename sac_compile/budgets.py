@@ -9,19 +9,59 @@ own; on ``apply_regions`` a byte budget is one budget for all the regions it mak
 (a :class:`ModelBudget`: a single price per byte found over all of them, each region's cut
 optimal for the total), and a fraction is each region's own.
 
+A :class:`PeakBudget` is the other kind of budget, for a compiled split only
+(``make_backend(memory_budget=PeakBudget("2GiB"))``): it caps the split's *modelled peak*
+(:mod:`sac_compile.compiler.peak`) rather than the bytes kept at the end of forward.
+
 A :class:`RegionBudget` is part of a region's frame (:class:`~sac_compile.policy.
 RegionFrame`) and of its compiled group's key (:mod:`sac_compile.region_groups`): two
 regions with different budgets never share a split.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
-from typing import Any
+from typing import Any, Union
 
-__all__ = ["RegionBudget", "ModelBudget", "region_budget", "budget_key", "proposed_budget",
-           "budget_cache_text", "module_kind"]
+__all__ = ["PeakBudget", "RegionBudget", "ModelBudget", "region_budget", "budget_key",
+           "proposed_budget", "budget_cache_text", "module_kind"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBudget:
+    """A cap on the *peak* of a compiled forward/backward split, not on the bytes it keeps:
+    ``make_backend(memory_budget=PeakBudget("2GiB"))`` (or ``SACPartitioner``,
+    ``PartitionerConfig``). ``value`` takes ``memory_budget``'s forms (:func:`check_budget`):
+    bytes (an int >= 2, or a string such as ``"2GiB"``, stored as its bytes) or a float in
+    (0, 1], a fraction of the modelled peak of the split without a budget.
+
+    The peak is :mod:`sac_compile.compiler.peak`'s model, per split: the most activation
+    bytes alive at once over the forward and then the backward graph, in the order they
+    run (kept values, recomputed values, the backward's own working values; inputs,
+    parameters and the gradients handed back to autograd are not counted). The cut chosen
+    is the cheapest to recompute among the kept-byte budgets searched whose modelled peak
+    fits (:mod:`sac_compile.compiler.peak_budget`). Compile only: a region's
+    ``sac_region(memory_budget=...)`` caps kept bytes. Frozen, hashable and picklable; its
+    ``repr`` is part of the partitioner's cache key."""
+
+    value: Union[float, int, str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "value", check_budget(self.value, what="PeakBudget"))
+        if self.value is None:
+            raise ValueError("PeakBudget(None) is no budget: pass memory_budget=None instead")
+
+    def cap(self, unconstrained_peak: int) -> int:
+        """The cap in bytes, given the modelled peak of the split without a budget."""
+        if isinstance(self.value, float):
+            return int(self.value * unconstrained_peak)
+        return int(self.value)
+
+    def label(self) -> str:
+        """``"peak 1 MiB"``, ``"peak 80%"``."""
+        return f"peak {budget_label(self.value)}"
 
 
 class ModelBudget:
@@ -194,6 +234,11 @@ def check_budget(budget: Any, *, what: str = "memory_budget") -> float | int | N
     what to pass instead."""
     if budget is None:
         return None
+    if isinstance(budget, PeakBudget):
+        raise ValueError(f"{what}={budget!r}: a PeakBudget caps the modelled peak of a "
+                         f"compiled split, and is taken by make_backend(memory_budget=...), "
+                         f"SACPartitioner and PartitionerConfig only; here pass a kept-byte "
+                         f"budget ({_HINT})")
     if isinstance(budget, str):
         return parse_budget_text(budget, what=what)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):

@@ -41,7 +41,10 @@ class BudgetUnreachableError(CompiledCheckpointError):
     bytes of activations reachable; ``unconstrained_bytes``: what is kept without a
     budget; ``proposed_budget``: a value :func:`~sac_compile.budgets.check_budget` accepts,
     of the kind given (a fraction in (0, 1], or bytes as an int >= 2), that is met; rerun
-    with ``memory_budget=e.proposed_budget``. The message says the same in words."""
+    with ``memory_budget=e.proposed_budget``. The message says the same in words. For a
+    :class:`~sac_compile.budgets.PeakBudget` the figures are modelled peaks: ``least_bytes``
+    the least found, ``unconstrained_bytes`` the split's without a budget, and
+    ``proposed_budget`` a ``PeakBudget`` of the same form."""
 
     def __init__(self, msg: str, *, budget: Union[float, int], least_bytes: int,
                  unconstrained_bytes: int, proposed_budget: Union[float, int]) -> None:

@@ -226,6 +226,11 @@ def set_boundary(node: fx.Node, fact: BoundaryFact) -> None:
     node.meta[REGION_BOUNDARY] = fact
 
 
+def pop_boundary(node: fx.Node) -> BoundaryFact | None:
+    """Remove and return ``node``'s boundary fact (a candidate cut not chosen)."""
+    return node.meta.pop(REGION_BOUNDARY, None)
+
+
 def strip_ours(node: fx.Node) -> None:
     """Remove our keys from ``node`` (the final graphs go to other compilers)."""
     for key in OURS:

@@ -14,7 +14,7 @@
 * ``cost_estimated``: ops whose FLOPs were estimated from shapes (custom ops, matmuls with no
   ``flop_counter`` formula, see ``sac_compile.op_costs.op_flops``);
 * with a memory budget (compile): ``memory_budget`` as given, ``budget_bytes`` (the cap on
-  ``activation_bytes``) and ``evicted``: values saved without the budget and recomputed
+  ``activation_bytes``; under a ``PeakBudget``, the cap on ``peak.bytes``) and ``evicted``: values saved without the budget and recomputed
   with it, with the reason;
 * ``snapshot()``: deterministic text for expecttest; ``str(report)``: a readable table.
 
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from collections import Counter
 
 
@@ -117,7 +118,7 @@ class PartitionReport:
     solver: str = ""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
-    memory_budget: float | int | None = None
+    memory_budget: float | int | Any = None   # (Any: a PeakBudget)
     budget_bytes: int | None = None
     evicted: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
     # eager explain: bytes autograd keeps outside every region (parameters excluded)
@@ -170,6 +171,10 @@ class PartitionReport:
 
     def _budget_line(self) -> str:
         b = self.memory_budget
+        if hasattr(b, "label"):  # a PeakBudget: it caps the peak
+            peak = f"modelled peak {fmt_bytes(self.peak.bytes)}, " if self.peak else ""
+            return (f"{b.label()} = {fmt_bytes(self.budget_bytes or 0)}: {peak}"
+                    f"{fmt_bytes(self.activation_bytes)} of activations saved")
         given = f"{b * 100:g}%" if isinstance(b, float) else fmt_bytes(b)
         return (f"memory budget {given} = {fmt_bytes(self.budget_bytes or 0)}: "
                 f"{fmt_bytes(self.activation_bytes)} of activations saved")

@@ -39,7 +39,7 @@ from .describe import boundary_reason
 from .facts import Floor
 from .peak import cut_peak, storage_base
 
-__all__ = ["region_call", "boundary_values", "with_floor", "solve_lowering_peak"]
+__all__ = ["region_call", "boundary_values", "with_floor", "recomputed_by", "solve_lowering_peak"]
 
 P = CheckpointPolicy
 R = TypeVar("R")
@@ -100,7 +100,7 @@ def _fact(u: fx.Node, reader: fx.Node) -> graph_meta.BoundaryFact:
     return graph_meta.BoundaryFact(made[-1] if made else None, read[-1] if read else None)
 
 
-def _recomputed(cls: Classification, kept: set[fx.Node]) -> set[fx.Node]:
+def recomputed_by(cls: Classification, kept: set[fx.Node]) -> set[fx.Node]:
     """The forward-side values a backward with ``kept`` computes itself."""
     out: set[fx.Node] = set()
     stack = [a for b in cls.backward for a in b.all_input_nodes if a in cls.index]
@@ -124,7 +124,7 @@ def solve_lowering_peak(gm: fx.GraphModule, net: FlowNetwork, solve: Callable[[F
     cls = net.cls
     boundary = boundary_values(cls, net)
     kept = set(kept_of(res))
-    dragged = _recomputed(cls, kept) & set(boundary)
+    dragged = recomputed_by(cls, kept) & set(boundary)
     if not dragged:
         return res, Floor()
     floored = with_floor(net, boundary)

@@ -11,11 +11,13 @@ region-boundary floor where that lowers the peak (:mod:`.boundaries`). It edits 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .. import graph_meta
+from ..budgets import PeakBudget
 from ..cut.budget import BudgetResult, solve_with_budget
 from ..cut.network import CostModel, FlowNetwork, build_flow_network, classify
 from ..cut.region_budgets import (RegionBudgetFacts, region_budget_annotations,
@@ -23,7 +25,8 @@ from ..cut.region_budgets import (RegionBudgetFacts, region_budget_annotations,
 from ..cut.solvers import solve
 from ..cut.stand_ins import keep_stand_ins_off_device
 from .boundaries import solve_lowering_peak
-from .facts import Floor, HostWhy
+from .facts import Floor, HostWhy, PeakFit
+from .peak_budget import solve_peak_budget
 from .storage import HookTraces, packed_sizes
 
 __all__ = ["Cut", "flow_network", "choose_cut"]
@@ -39,11 +42,12 @@ class Cut:
     host_why: HostWhy | None = None
     # Values computed from offloaded ones that may not stay on the device in their place.
     stand_ins: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
-    memory_budget: float | int | None = None  # the partitioner's, as given
+    memory_budget: float | int | PeakBudget | None = None  # the partitioner's, as given
     torch_budget_ignored: float | None = None  # torch's global budget, not applied
     budget: BudgetResult | None = None         # under a budget (the split's or regions')
     region_budgets: RegionBudgetFacts | None = None  # under the regions' budgets
     floor: Floor = Floor()
+    peak_fit: PeakFit | None = None            # under a PeakBudget: how it was met
 
 
 def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
@@ -59,9 +63,10 @@ def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
 
 
 def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx.Node],
-               memory_budget: float | int | None, solver: str) -> Cut:
-    """The cut of ``net``: without a budget, under ``memory_budget``, or under the regions'
-    budgets (torch's global ``activation_memory_budget`` is honoured as the regions' when
+               memory_budget: float | int | PeakBudget | None, solver: str) -> Cut:
+    """The cut of ``net``: without a budget, under ``memory_budget`` (a
+    :class:`~sac_compile.budgets.PeakBudget`: the cheapest kept-byte budget whose cut's
+    modelled peak fits, :mod:`.peak_budget`), or under the regions' budgets (torch's global ``activation_memory_budget`` is honoured as the regions' when
     the partitioner has none: torch ignores it once a region is in the graph)."""
     torch_budget = torch_global_budget()
     regions = region_budget_annotations(net.cls.nodes,
@@ -73,6 +78,16 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
         return Cut(saved, [v for v in net.offloaded(saved) if not _marked_offload(v)],
                    HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor)
     facts = None
+    if isinstance(memory_budget, PeakBudget):
+        def under(n: FlowNetwork, kept_cap: float | int,
+                  exact: bool) -> tuple[BudgetResult, Any]:
+            if regions:  # (always by the exact program)
+                return solve_with_region_budgets(n, regions, kept_cap, solver)
+            return solve_with_budget(n, kept_cap, solver, exact=exact), None
+
+        (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under)
+        return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
+                   HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor, fit)
     if regions:
         (res, facts), floor = solve_lowering_peak(
             gm, net, lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),

@@ -17,17 +17,18 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
-from ..budgets import budget_label
+from ..budgets import PeakBudget, budget_label
 from ..cut import costs
 from ..cut.reasons import Reason, ReasonKind
 from ..cut.roles import Role, node_role
 from ..op_costs import is_cost_estimated
 from ..policy import CheckpointPolicy
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
-from .facts import Floor, HostWhy, Storage
+from .facts import Floor, HostWhy, PeakFit, Storage
 from .peak import estimate_peak
 
 if TYPE_CHECKING:
+    from ..cut.budget import BudgetResult
     from ..cut.region_budgets import RegionBudgetFacts
     from .choose_cut import Cut
     from .extract import Split
@@ -53,6 +54,12 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
     if counts and counts.get("fold_markers"):
         report.notes.append(f"{counts['fold_markers']} tag()/name() markers folded")
     _describe_graphs(report, gm, split, static)
+    if cut is not None and cut.peak_fit is not None and report.peak is not None and \
+            report.peak.bytes > cut.peak_fit.cap:
+        report.notes.append(
+            f"{_budget_label(cut)}: the final graphs peak at {fmt_bytes(report.peak.bytes)}, "
+            f"above the cap {fmt_bytes(cut.peak_fit.cap)} (the cut's model: "
+            f"{fmt_bytes(cut.peak_fit.peak)})")
     report.timings = timings
     if plan is not None:
         host = _host_reason(cut) if cut is not None else ""
@@ -92,15 +99,23 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
     if res is None:
         return
     label = _budget_label(cut)
-    if cut.memory_budget is not None:
+    if cut.peak_fit is not None:
+        report.memory_budget = cut.memory_budget
+        report.budget_bytes = cut.peak_fit.cap
+        report.notes.append(_peak_fit_note(label, cut.peak_fit, res))
+    elif cut.memory_budget is not None:
         report.memory_budget = cut.memory_budget
         report.budget_bytes = int(res.budget_bytes)
-    cap = f"cap {fmt_bytes(res.budget_bytes)}, " if cut.memory_budget is not None else ""
-    report.notes.append(
-        f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
-        f"saved ({cap}unconstrained {fmt_bytes(res.unconstrained_bytes)}, least "
-        f"reachable {fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
-        + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
+    if cut.peak_fit is None:
+        cap = f"cap {fmt_bytes(res.budget_bytes)}, " if cut.memory_budget is not None else ""
+        report.notes.append(
+            f"memory budget {label}: {fmt_bytes(res.activation_bytes)} of activations "
+            f"saved ({cap}unconstrained {fmt_bytes(res.unconstrained_bytes)}, least "
+            f"reachable {fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
+            + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
+    why = (f"so that the split's modelled peak fits {fmt_bytes(cut.peak_fit.cap)}"
+           if cut.peak_fit is not None else
+           f"saving it would exceed {fmt_bytes(res.budget_bytes)}")
     report.estimated_labels |= {costs.op_label(v) for v in res.evicted if _cost_estimated(v)}
     for v in res.evicted:
         dec = graph_meta.decision(v)
@@ -108,21 +123,40 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
         report.evicted.append(SavedTensorRecord(
             v.name, costs.op_label(v), costs.nbytes(v),
             Reason(ReasonKind.EVICTED_BY_BUDGET,
-                   f"{what} overridden by memory budget {label}: recomputed in "
-                   f"backward (saving it would exceed {fmt_bytes(res.budget_bytes)})"),
+                   f"{what} overridden by {_budget_word(cut)} {label}: recomputed in "
+                   f"backward ({why})"),
             region=graph_meta.region(v)))
     if res.lifted:
         ops = sorted({costs.op_label(v) for v in res.lifted})
         report.notes.append(
-            f"memory budget {label}: {len(res.lifted)} untagged ops recomputed that "
+            f"{_budget_word(cut)} {label}: {len(res.lifted)} untagged ops recomputed that "
             f"torch's partitioner would keep ({', '.join(ops[:4])}"
             f"{', ...' if len(ops) > 4 else ''}; CostModel("
             f"budget_lifts_upstream_bans=False) keeps them)")
 
 
 def _budget_label(cut: Cut) -> str:
+    if isinstance(cut.memory_budget, PeakBudget):
+        return cut.memory_budget.label()
     return budget_label(cut.memory_budget) if cut.memory_budget is not None \
         else "(per group above)"
+
+
+def _budget_word(cut: Cut) -> str:
+    return "budget" if isinstance(cut.memory_budget, PeakBudget) else "memory budget"
+
+
+def _peak_fit_note(label: str, fit: PeakFit, res: BudgetResult) -> str:
+    """How a peak budget was met (:mod:`.peak_budget`)."""
+    how = ("the cut without a budget fits" if fit.kept_cap is None else
+           f"kept-byte budget {fmt_bytes(fit.kept_cap)} ({res.method}), the cheapest "
+           f"to recompute of the {fit.fitting} cuts whose peak fits")
+    return (f"{label}: modelled peak {fmt_bytes(fit.peak)} (cap {fmt_bytes(fit.cap)}; "
+            f"without a budget {fmt_bytes(fit.unconstrained_peak)}, least found "
+            f"{fmt_bytes(fit.least_peak)}, {fit.tried} cuts tried); {how}: "
+            f"{fmt_bytes(res.activation_bytes)} of activations saved (unconstrained "
+            f"{fmt_bytes(res.unconstrained_bytes)})"
+            + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
 
 
 def _region_budget_notes(facts: RegionBudgetFacts) -> list[str]:

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import Any
 
-__all__ = ["HostWhy", "Floor", "Storage"]
+__all__ = ["HostWhy", "Floor", "PeakFit", "Storage"]
 
 
 class HostWhy(enum.Enum):
@@ -35,6 +35,23 @@ class Floor:
     peak_before: int = 0
     peak_after: int = 0
     refused: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakFit:
+    """How a peak budget (:class:`~sac_compile.budgets.PeakBudget`) was met
+    (:mod:`.peak_budget`): the cap on the modelled peak, the peak of the cut chosen and of
+    the cut without a budget, the kept-byte budget that gave the chosen cut (None: the
+    cut without a budget fits), how many kept-byte budgets were tried and how many of
+    their cuts fit, and the least modelled peak among them."""
+
+    cap: int
+    peak: int
+    unconstrained_peak: int
+    kept_cap: int | None
+    tried: int
+    fitting: int
+    least_peak: int
 
 
 class Storage(enum.Enum):

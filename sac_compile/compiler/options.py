@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Union
 
-from ..budgets import check_budget
+from ..budgets import PeakBudget, check_budget
 from ..cut.network import CostModel
 
 __all__ = ["PartitionerConfig", "OffloadOptions", "SOLVERS"]
@@ -91,11 +91,13 @@ class PartitionerConfig:
     """What :class:`~sac_compile.compiler.SACPartitioner` splits a joint graph with.
     (``on_partition``, a callback rather than an option, stays the partitioner's.)"""
 
-    memory_budget: Union[float, int, str, None] = None
+    memory_budget: Union[float, int, str, PeakBudget, None] = None
     """A float in (0, 1]: a fraction of the activation bytes each split saves without a
     budget; an int >= 2 or a string such as ``"64MiB"``: bytes per split (inputs and
     parameters are not counted). None: no budget. Read by
-    :func:`sac_compile.budgets.check_budget` (a string is stored as its bytes)."""
+    :func:`sac_compile.budgets.check_budget` (a string is stored as its bytes). A
+    :class:`~sac_compile.budgets.PeakBudget` (the same forms inside) caps each split's
+    modelled peak instead of its kept bytes."""
 
     solver: Union[str, None] = None
     """The min-cut solver: ``"scipy"`` (compiled Dinic), ``"networkx"``, or None (scipy when
@@ -117,7 +119,8 @@ class PartitionerConfig:
     ``offload_options`` dict builds it."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_budget", check_budget(self.memory_budget))
+        if not isinstance(self.memory_budget, PeakBudget):
+            object.__setattr__(self, "memory_budget", check_budget(self.memory_budget))
         if self.solver not in SOLVERS:
             raise ValueError(f"solver must be 'scipy', 'networkx' or None, got "
                              f"{self.solver!r} (PartitionerConfig.solver)")

@@ -100,10 +100,11 @@ FILL_TRIES = 24           # larger splits: values put back into the budget's sla
 
 
 def solve_with_budget(net: FlowNetwork, budget: float | int,
-                      solver: str | None = None) -> BudgetResult:
+                      solver: str | None = None, *, exact: bool = True) -> BudgetResult:
     """The cheapest cut whose device activation bytes fit ``budget`` (see the module
     docstring): the Lagrangian search, then the exact program (splits up to
-    :data:`EXACT_MAX_NODES` nodes) or, above that, the budget's slack filled greedily.
+    :data:`EXACT_MAX_NODES` nodes; ``exact=False``: never, as a search over many budgets
+    asks) or, above that, the budget's slack filled greedily.
     :class:`~sac_compile.CheckpointError` when no cut fits."""
     from .exact import ExactProblem, objective
 
@@ -156,7 +157,7 @@ def solve_with_budget(net: FlowNetwork, budget: float | int,
         else:
             hi, over = mid, cut
     lagrangian = best.cost
-    if len(net.cls.nodes) <= EXACT_MAX_NODES:
+    if exact and len(net.cls.nodes) <= EXACT_MAX_NODES:
         refined = _exact_cut(net, problem, cap, best)
         if refined is not None:
             solves += 1

@@ -1,0 +1,247 @@
+"""A peak budget (:class:`~sac_compile.budgets.PeakBudget`): the cheapest cut whose
+modelled peak fits, found over kept-byte budgets.
+
+A ``memory_budget`` caps the bytes a split keeps at the end of forward. What runs out of
+memory is the peak: the kept values plus the backward's working set (recomputed values,
+gradients of activations). A peak budget caps that (:func:`.peak.cut_peak`, the model of
+:mod:`.peak`, forward and backward, the larger).
+
+The rule (fast, at any size): kept bytes are what the cut can be asked for, and the
+peak moves with them (a cut that keeps less recomputes more, and that working set is
+part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_budget`
+
+1. solves the split without a budget (as without one: the region-boundary floor where it
+   lowers the peak); done when its modelled peak fits;
+2. finds the least kept bytes reachable (:func:`~sac_compile.cut.budget.solve_with_budget`'s
+   error at a 2-byte budget), without the region-boundary floor and with it (below the
+   floor's least the floor is refused, the backward recomputes across regions and the
+   peak jumps up), and solves at each and at :data:`GRID` kept-byte budgets evenly between
+   each and the unconstrained cut's bytes, each with the existing budget solver (each
+   through the floor, where it lowers the peak): on splits up to
+   :data:`EXACT_EACH_MAX_NODES` nodes made exact by its MILP, above that its Lagrangian
+   search alone;
+3. bisects (:data:`BISECT_STEPS`) between the largest of those whose peak fits and the
+   next one up;
+4. keeps the cheapest cut tried (the solver's objective: recompute cost, offload cost,
+   kept inputs) whose modelled peak fits, on a tie the lower peak; on larger splits
+   solves its kept-byte budget again with the exact program (up to 2,000 nodes), whose
+   cut replaces it where it is cheaper and its peak fits too (one MILP per split, not
+   one per budget tried: measured on the GPT fixture, Lagrangian candidates alone cost
+   up to 1.7x the recompute FLOPs);
+5. puts values that cut recomputes back, one by one (:func:`_put_back`), while the
+   modelled peak fits and the cost drops: which values a peak affords to keep is not
+   what a kept-byte budget sees (among identical blocks the budget solver evicts the
+   last blocks' values, whose recompute comes first in the backward, with all the
+   others still alive).
+
+None fits: :class:`~sac_compile.errors.BudgetUnreachableError` with the least modelled
+peak found (``least_bytes``; a search, not a proof that none lower exists) and a
+``proposed_budget``, a :class:`PeakBudget` of the same form (bytes or a fraction) that the
+same search meets. The exact program over peaks (Checkmate's, with a variable per value
+and step) is not built: ``tests/test_compile_peak_budget.py`` measures how far this rule is
+from the true cheapest cut on small graphs, by enumeration.
+
+This module decides and words only its error; the report's notes are :mod:`.describe`'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from .. import graph_meta
+from ..budgets import PeakBudget, proposed_budget
+from ..errors import BudgetUnreachableError
+from ..cut.budget import BudgetResult
+from ..cut import costs
+from ..cut.network import INF, FlowNetwork
+from ..policy import CheckpointError
+from .boundaries import boundary_values, recomputed_by, solve_lowering_peak, with_floor
+from .facts import Floor, PeakFit
+from .peak import cut_peak
+
+__all__ = ["solve_peak_budget", "GRID", "BISECT_STEPS"]
+
+GRID = 6            # kept-byte budgets tried evenly between the least and the unconstrained
+BISECT_STEPS = 8    # then bisected between the largest that fits and the next one up
+PUT_BACK_TRIES = 64  # then values the chosen cut recomputes, kept while the peak fits
+EXACT_EACH_MAX_NODES = 500  # up to this many nodes every kept-byte budget is solved exactly
+
+# What the budget solver returns: its result and the regions' figures (None: no regions).
+Solved = tuple[BudgetResult, Any]
+
+
+@dataclasses.dataclass
+class _Candidate:
+    kept_cap: int | None        # the kept-byte budget (None: no budget)
+    solved: Solved
+    floor: Floor
+    facts: dict[fx.Node, graph_meta.BoundaryFact]  # the floor's boundary facts
+    peak: int
+
+    @property
+    def cost(self) -> float:
+        return self.solved[0].cost
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.solved[0].activation_bytes
+
+
+def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
+                      under: Callable[[FlowNetwork, float | int, bool], Solved]
+                      ) -> tuple[Solved, Floor, PeakFit]:
+    """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
+    solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
+    solver's exact program). Returns the chosen solve, what the region-boundary floor did
+    for it, and how the budget was met."""
+    tried: list[_Candidate] = []
+    exact_each = len(net.cls.nodes) <= EXACT_EACH_MAX_NODES
+
+    def candidate(kept_cap: int | None, exact: bool = exact_each) -> _Candidate | None:
+        value: float | int = 1.0 if kept_cap is None else max(int(kept_cap), 2)
+        try:
+            solved, floor = solve_lowering_peak(gm, net, lambda n: under(n, value, exact),
+                                                lambda r: r[0].saved)
+        except BudgetUnreachableError:  # the regions' own caps, under this kept-byte cap
+            if kept_cap is None:  # (not even without one: their error, as it is)
+                raise
+            return None
+        facts = {u: f for u in floor.held if (f := graph_meta.pop_boundary(u)) is not None}
+        c = _Candidate(kept_cap, solved, floor, facts, cut_peak(gm.graph, net.cls,
+                                                                solved[0].saved))
+        tried.append(c)
+        return c
+
+    base = candidate(None)
+    assert base is not None  # (it raises instead)
+    cap = budget.cap(base.peak)
+    fits = [base] if base.peak <= cap else []
+    if not fits:
+        most = base.kept_bytes
+        caps: set[int] = set()
+        for least in _least_kept(net, under):  # without the floor, and with it
+            caps.add(least)
+            caps.update(least + (most - least) * k // (GRID + 1) for k in range(1, GRID + 1))
+        grid = [c for c in (candidate(k) for k in sorted(caps) if k < most) if c is not None]
+        fits = [c for c in grid if c.peak <= cap]
+        if not fits:
+            raise _unreachable(budget, cap, tried, base)
+        lo = max(c.kept_cap for c in fits)
+        hi = min((c.kept_cap for c in grid if c.kept_cap > lo), default=most)
+        for _ in range(BISECT_STEPS):
+            if hi - lo <= 1:
+                break
+            mid = (lo + hi) // 2
+            c = candidate(mid)
+            if c is not None and c.peak <= cap:
+                fits.append(c)
+                lo = mid
+            else:
+                hi = mid
+    best = min(fits, key=lambda c: (c.cost, c.peak, c.kept_bytes))
+    if best is not base and not exact_each:
+        exact = candidate(best.kept_cap, exact=True)
+        if exact is not None and exact.peak <= cap and exact.cost < best.cost:
+            fits.append(exact)
+            best = exact
+    if best is not base:
+        best = _put_back(gm, net, best, cap)
+    for u, fact in best.facts.items():
+        graph_meta.set_boundary(u, fact)
+    return best.solved, best.floor, PeakFit(cap, best.peak, base.peak, best.kept_cap,
+                                            len(tried), len(fits),
+                                            min(best.peak, *(c.peak for c in tried)))
+
+
+def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx.Node]]:
+    """What a cut keeping ``kept`` recomputes, and its recompute cost (a budget's: an
+    upstream ban it lifts at its cost)."""
+    again = recomputed_by(net.cls, kept)
+    idx = net.cls.index
+    return sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
+               for v in again), again
+
+
+def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
+              cap: int) -> _Candidate:
+    """``best`` with values it recomputes kept after all, one at a time, most expensive to
+    recompute first (:data:`PUT_BACK_TRIES` at most), while the modelled peak still fits
+    and the cost drops. A kept-byte budget does not see *which* values the peak can
+    afford to keep: among identical blocks the cut gives way at the last ones (their
+    recompute comes first in the backward, while the other blocks' kept values are
+    alive); keeping one of those and recomputing an earlier block's lowers the peak at
+    the same cost."""
+    res = best.solved[0]
+    kept = set(res.saved)
+    cost, again = _recompute_cost(net, kept)
+    idx = net.cls.index
+    pool = sorted((v for v in again if v.op == "call_function" and not costs.is_view(v)
+                   and net.save_cost[idx[v]] not in (0, INF)),
+                  key=lambda v: -net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]]))
+    added: list[fx.Node] = []
+    peak = best.peak
+    for v in pool[:PUT_BACK_TRIES]:
+        if v not in again:  # no longer recomputed: a value put back before needs it
+            continue
+        trial = kept | {v}
+        trial_cost, trial_again = _recompute_cost(net, trial)
+        if trial_cost >= cost:
+            continue
+        trial_peak = cut_peak(gm.graph, net.cls, trial)
+        if trial_peak <= cap:
+            kept, cost, again, peak = trial, trial_cost, trial_again, trial_peak
+            added.append(v)
+    if not added:
+        return best
+    rng = sum(net.recompute_bytes.get(idx[v], 0.0) for v in again)
+    acts = [v for v in kept if v.op != "placeholder"]
+    saved = [v for v in net.cls.nodes if v in kept]
+    _, before = _recompute_cost(net, set(res.saved))
+    solved = dataclasses.replace(
+        res, saved=saved, activation_bytes=int(sum(net.device_bytes(acts, res.weight)) + rng),
+        evicted=[v for v in res.evicted if v not in kept],
+        cost=res.cost - (sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
+                             for v in before) - cost),
+        method=f"{res.method}, {len(added)} values put back under the peak")
+    return dataclasses.replace(best, solved=(solved, best.solved[1]), peak=peak)
+
+
+def _least_kept(net: FlowNetwork, under: Callable[[FlowNetwork, float | int, bool], Solved]
+                ) -> list[int]:
+    """The least kept bytes reachable (the budget solver's error at a 2-byte budget), and
+    the least with the region-boundary floor (whose kept boundaries make the peak
+    drop: below them the floor is refused and the backward recomputes across regions)."""
+    out = []
+    boundary = boundary_values(net.cls, net)
+    for n in (net, with_floor(net, boundary)) if boundary else (net,):
+        try:
+            under(n, 2, False)
+            out.append(2)
+        except BudgetUnreachableError as e:
+            out.append(int(e.least_bytes))
+        except CheckpointError:  # the floor leaves no valid cut
+            pass
+    return out
+
+
+def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
+                 base: _Candidate) -> BudgetUnreachableError:
+    from ..report import fmt_bytes
+    low = min(tried, key=lambda c: (c.peak, c.cost))
+    proposed = PeakBudget(proposed_budget(budget.value, low.peak, base.peak))
+    given = (f"{budget.label()} of {fmt_bytes(base.peak)} = {fmt_bytes(cap)}"
+             if isinstance(budget.value, float) else f"{budget.label()}")
+    return BudgetUnreachableError(
+        f"sac_compile: {given} cannot be met: the least modelled peak found for this "
+        f"forward/backward split is {fmt_bytes(low.peak)}, keeping "
+        f"{fmt_bytes(low.kept_bytes)} of activations ({len(tried)} kept-byte budgets tried, "
+        f"down to the least reachable; without a budget the split peaks at "
+        f"{fmt_bytes(base.peak)}). To fix: raise it to at least {fmt_bytes(low.peak)}: "
+        f"memory_budget={proposed!r}, or let more be recomputed "
+        f"(policies.relaxed(policy) relaxes MUST_SAVE to PREFER_SAVE); the peak also holds "
+        f"the backward's own working values, which no cut removes.",
+        budget=budget, least_bytes=int(low.peak), unconstrained_bytes=int(base.peak),
+        proposed_budget=proposed)
