@@ -11,8 +11,8 @@ to the forward's end, next to the value it was computed from (Hugging Face GPT-2
 each decoder layer a region: +8 MiB, the forward's peak above torch's partitioner's, which
 saves the logits).
 
-What: after each solve (the plain one, and the floored one of :mod:`.boundaries`), each kept value that
-Inductor would otherwise not allocate (:func:`fused_away_saves`; largest first, a few) is
+What: after each solve (the plain one, and the floored one of :mod:`.boundaries`), each
+kept value that Inductor would otherwise not allocate (:func:`fused_away_saves`; largest first, a few) is
 banned from being kept (and, where the cut keeps another such value in its place, that
 one too, a few rounds), the network solved again, and the new cut taken where the peak
 model *as Inductor allocates* (:func:`.peak.cut_peaks` with ``fused=True``) is lower: the
@@ -48,8 +48,9 @@ SLACK = 1 / 256
 
 def fused_away_saves(net: FlowNetwork, kept: list[fx.Node]) -> list[fx.Node]:
     """The kept values Inductor would not allocate in the forward were they not kept (or
-    views of such values): made by a fusible op, read in the forward only by fusible ops (through views), not a forward
-    output, and recomputable (so the backward can have them otherwise)."""
+    views of such values): made by a fusible op, read in the forward only by fusible ops
+    (through views), not a forward output, and recomputable (so the backward can have
+    them otherwise)."""
     from ..torch_internals import get_default_op_list
 
     fusible = get_default_op_list().is_fusible
