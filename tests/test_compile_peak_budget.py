@@ -242,7 +242,7 @@ def test_fast_rule_against_enumeration_on_small_graphs(n, exact_each, monkeypatc
 
     seen = {}
 
-    def spy(gm, net, stand_ins, budget, solver):
+    def spy(gm, net, stand_ins, budget, solver, **kwargs):
         pool, splits = _enumerate(gm, net)
         least = min(p for p, _, _ in splits)
         free = choose_cut(gm, net, stand_ins, None, solver)

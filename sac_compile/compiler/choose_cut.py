@@ -25,7 +25,8 @@ from ..cut.region_budgets import (RegionBudgetFacts, region_budget_annotations,
 from ..cut.solvers import solve
 from ..cut.stand_ins import keep_stand_ins_off_device
 from .boundaries import solve_lowering_peak
-from .facts import Floor, HostWhy, PeakFit
+from .facts import Floor, HostWhy, PeakFit, Unfused
+from .fused_saves import solve_allocating_less
 from .peak_budget import solve_peak_budget
 from .storage import HookTraces, packed_sizes
 
@@ -48,6 +49,7 @@ class Cut:
     region_budgets: RegionBudgetFacts | None = None  # under the regions' budgets
     floor: Floor = Floor()
     peak_fit: PeakFit | None = None            # under a PeakBudget: how it was met
+    unfused: Unfused = Unfused()  # under Inductor: kept values it would fuse away, dropped
 
 
 def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
@@ -63,20 +65,35 @@ def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
 
 
 def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx.Node],
-               memory_budget: float | int | PeakBudget | None, solver: str) -> Cut:
+               memory_budget: float | int | PeakBudget | None, solver: str, *,
+               fusing: bool = False) -> Cut:
     """The cut of ``net``: without a budget, under ``memory_budget`` (a
     :class:`~sac_compile.budgets.PeakBudget`: the cheapest kept-byte budget whose cut's
-    modelled peak fits, :mod:`.peak_budget`), or under the regions' budgets (torch's global ``activation_memory_budget`` is honoured as the regions' when
-    the partitioner has none: torch ignores it once a region is in the graph)."""
+    modelled peak fits, :mod:`.peak_budget`), or under the regions' budgets (torch's global
+    ``activation_memory_budget`` is honoured as the regions' when the partitioner has none:
+    torch ignores it once a region is in the graph). ``fusing``: the graphs go to Inductor
+    (:mod:`.fused_saves`)."""
     torch_budget = torch_global_budget()
     regions = region_budget_annotations(net.cls.nodes,
                                         torch_budget if memory_budget is None else None)
     ignored = torch_budget if torch_budget is not None and memory_budget is not None else None
+    unfused: dict[int, Unfused] = {}
+
+    def lowering_peak(solve_net, kept_of):  # noqa: ANN001,ANN202
+        def solved(n: FlowNetwork):  # noqa: ANN202
+            res = solve_net(n)
+            if fusing:
+                res, fact = solve_allocating_less(gm, n, res, solve_net, kept_of)
+                unfused[id(res)] = fact
+            return res
+        res, floor = solve_lowering_peak(gm, net, solved, kept_of)
+        return res, floor, unfused.get(id(res), Unfused())
+
     if memory_budget is None and not regions:
-        (saved, _), floor = solve_lowering_peak(gm, net, lambda n: solve(n, solver),
-                                                lambda r: r[0])
+        (saved, _), floor, dropped = lowering_peak(lambda n: solve(n, solver), lambda r: r[0])
         return Cut(saved, [v for v in net.offloaded(saved) if not _marked_offload(v)],
-                   HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor)
+                   HostWhy.CHEAPEST, stand_ins, memory_budget, ignored, floor=floor,
+                   unfused=dropped)
     facts = None
     if isinstance(memory_budget, PeakBudget):
         def under(n: FlowNetwork, kept_cap: float | int,
@@ -87,16 +104,18 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
 
         (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
-                   HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor, fit)
+                   HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
+                   peak_fit=fit)
     if regions:
-        (res, facts), floor = solve_lowering_peak(
-            gm, net, lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),
+        (res, facts), floor, dropped = lowering_peak(
+            lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),
             lambda r: r[0].saved)
     else:
-        res, floor = solve_lowering_peak(
-            gm, net, lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
+        res, floor, dropped = lowering_peak(
+            lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
     return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
-               HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor)
+               HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
+               unfused=dropped)
 
 
 def _marked_offload(node: fx.Node) -> bool:

@@ -24,7 +24,7 @@ from ..cut.roles import Role, node_role
 from ..op_costs import is_cost_estimated
 from ..policy import CheckpointPolicy
 from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
-from .facts import Floor, HostWhy, PeakFit, Storage
+from .facts import Floor, HostWhy, PeakFit, Storage, Unfused
 from .peak import estimate_peak
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
     if cut.region_budgets is not None:
         report.notes.extend(_region_budget_notes(cut.region_budgets))
     report.notes.extend(_floor_notes(cut.floor))
+    report.notes.extend(_unfused_notes(cut.unfused))
     res = cut.budget
     if res is None:
         return
@@ -177,6 +178,19 @@ def _floor_notes(floor: Floor) -> list[str]:
             f"that the cut recomputed across regions; estimated peak "
             f"{fmt_bytes(floor.peak_before)} -> {fmt_bytes(floor.peak_after)} (each region "
             f"is recomputed from its own inputs, as in eager mode)"]
+
+
+def _unfused_notes(fact: Unfused) -> list[str]:
+    if not fact.dropped:
+        return []
+    names = ", ".join(v.name for v in fact.dropped[:4]) + (", ..." if len(fact.dropped) > 4
+                                                            else "")
+    (fb, bb), (fa, ba) = fact.peaks_before, fact.peaks_after
+    return [f"not kept under Inductor: {len(fact.dropped)} values "
+            f"({fmt_bytes(fact.dropped_bytes)}; {names}) it would otherwise not allocate in "
+            f"the forward, recomputed from the values kept instead; estimated peaks as "
+            f"Inductor allocates, forward {fmt_bytes(fb)} -> {fmt_bytes(fa)}, backward "
+            f"{fmt_bytes(bb)} -> {fmt_bytes(ba)}"]
 
 
 def _host_reason(cut: Cut) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import Any
 
-__all__ = ["HostWhy", "Floor", "PeakFit", "Storage"]
+__all__ = ["HostWhy", "Floor", "PeakFit", "Unfused", "Storage"]
 
 
 class HostWhy(enum.Enum):
@@ -52,6 +52,19 @@ class PeakFit:
     tried: int
     fitting: int
     least_peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unfused:
+    """What :mod:`.fused_saves` did to a cut under Inductor: nothing, or no longer keeps
+    ``dropped`` (values Inductor would otherwise not allocate in the forward; the backward
+    recomputes them), the (forward, backward) peaks as Inductor allocates going from
+    ``peaks_before`` to ``peaks_after``."""
+
+    dropped: tuple[Any, ...] = ()   # fx.Nodes
+    dropped_bytes: int = 0
+    peaks_before: tuple[int, int] = (0, 0)
+    peaks_after: tuple[int, int] = (0, 0)
 
 
 class Storage(enum.Enum):

@@ -162,7 +162,8 @@ class SACPartitioner(CustomPartitionerFn):
         traces = HookTraces()
         net, stand_ins = flow_network(gm, num_fwd_outputs, static, self.cost_model, traces)
         clock.lap("network")
-        cut = choose_cut(gm, net, stand_ins, self.memory_budget, self.solver)
+        cut = choose_cut(gm, net, stand_ins, self.memory_budget, self.solver,
+                         fusing=kwargs.get("compiler") == "inductor")
         clock.lap("solve")
         split = extract(gm, save_bases_of_views(gm, cut.saved), static, num_fwd_outputs,
                         clock.lap)

@@ -38,7 +38,7 @@ from ..cut import costs
 from ..cut.roles import Role, node_role
 from ..torch_internals import OpOverload, pytree
 
-__all__ = ["estimate_peak", "cut_peak", "storage_base"]
+__all__ = ["estimate_peak", "cut_peak", "cut_peaks", "storage_base"]
 
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
@@ -273,13 +273,57 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak)
 
 
+def _fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> set[Key]:
+    """Inductor's view of a walk (torch's partitioner's ``is_materialized`` rule): a
+    storage that is neither given nor an output, made by a fusible op whose every reader in
+    the walk (through views) is fusible, is computed inside the kernels that read it and
+    never allocated; those kernels read its inputs instead, which live until then. Returns
+    those storages, and extends the last uses of their inputs in ``walk``."""
+    in_walk = set(walk.nodes)
+
+    def away(k: Key) -> bool:
+        n = walk.maker[k]
+        if k in walk.outputs or n.name in walk.given_names or n.op != "call_function" or \
+                not fusible(n):
+            return False
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            for u in m.users:
+                if u not in in_walk:
+                    continue
+                if _alias_source(u) is m:  # a view: its readers read this storage
+                    stack.append(u)
+                elif not fusible(u):
+                    return False
+        return True
+
+    out = {k for k in walk.made_at if away(k)}
+    for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
+        for k in walk.keys.get(n, ()):
+            if k in out and k[0] == n.name:
+                for a in n.all_input_nodes:
+                    for ka in walk.keys.get(a, ()):
+                        if ka is not None:
+                            walk.last[ka] = max(walk.last.get(ka, -1), walk.last[k])
+    return out
+
+
 def cut_peak(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node]) -> int:
-    """The peak (forward or backward, the larger) of the split a cut would give, without
-    extracting it: ``cls`` the joint ``graph``'s :class:`~.network.Classification`, ``kept`` the
-    values the cut keeps. The forward runs what the forward outputs and the kept values need,
-    in graph order; the backward runs its ops in graph order, each preceded by the
-    recomputed values it needs and has not yet (:func:`.order.reorder_like_autograd`'s
-    order)."""
+    """The peak (forward or backward, the larger) of the split a cut would give: the larger
+    of :func:`cut_peaks`."""
+    return max(cut_peaks(graph, cls, kept))
+
+
+def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool = False
+              ) -> tuple[int, int]:
+    """The (forward, backward) peaks of the split a cut would give, without extracting it:
+    ``cls`` the joint ``graph``'s :class:`~.network.Classification`, ``kept`` the values the
+    cut keeps. The forward runs what the forward outputs and the kept values need, in graph
+    order; the backward runs its ops in graph order, each preceded by the recomputed values
+    it needs and has not yet (:func:`.order.reorder_like_autograd`'s order). ``fused``: as
+    Inductor allocates, without the values it computes inside the kernels that read them
+    (:func:`_fused_away`)."""
     kept = set(kept)
     order = {n: i for i, n in enumerate(cls.nodes)}
     fw_outputs = [o for o in cls.fwd_outputs if isinstance(o, fx.Node)]
@@ -313,4 +357,11 @@ def cut_peak(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node]) -> int:
     bw_walk = _Walk(bw_seq, given=[*kept, *tangents],
                     outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
-    return max(fw_walk.sweep(fw_counted)[0], bw_walk.sweep(bw_counted)[0])
+    if fused:
+        from ..torch_internals import get_default_op_list
+        fusible = get_default_op_list().is_fusible
+        fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+        fw_all, bw_all = fw_counted, bw_counted
+        fw_counted = lambda k: fw_all(k) and k not in fw_away  # noqa: E731
+        bw_counted = lambda k: bw_all(k) and k not in bw_away  # noqa: E731
+    return fw_walk.sweep(fw_counted)[0], bw_walk.sweep(bw_counted)[0]
