@@ -488,7 +488,10 @@ def _capture_decisions(decisions: list):
         decisions.append(PARTITIONED)
         for n in gm.graph.nodes:
             d = n.meta.get("sac_decision")
-            if n.op == "call_function" and d is not None:
+            if n.op == "call_function" and d is not None and \
+                    " on its view " not in str(d.source):
+                # (skipped: hooks or an offload decided for a view op, carried to its base
+                # under compile as documented - eager keeps them on the view op)
                 # The op the policy was asked about: under Inductor, gelu's decomposition
                 # nodes (mul, add, erf, ...) all carry gelu's decision.
                 decisions.append((str(n.meta.get("sac_op", n.target)), d.policy.name))
