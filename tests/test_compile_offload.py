@@ -324,6 +324,27 @@ def test_must_offload_of_a_view_its_base_cannot_take_is_an_error(case):
     assert not _ops(cap.fw, "offload")
 
 
+def test_must_offload_of_a_multi_output_view_on_the_cpu_is_a_plain_save(capture):
+    """Found by the fuzzer (seed 0): MUST_CPU_OFFLOAD for split (a view with a list of
+    outputs) of a region input, on the CPU. The check that an offload on the CPU is a plain
+    save read only a single tensor: a split raised "cannot be honoured" (its base is an
+    input) where eager saves it. Now both modes save it; gradients equal plain autograd's."""
+    @sac_region(_deciding(aten.split.Tensor, CP.MUST_CPU_OFFLOAD), name="S")
+    def block(x):
+        return torch.cat(x.split(3, -1)[::-1], -1).sin()
+
+    def grad(fn):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        fn(x).sum().backward()
+        return x.grad
+
+    expected = grad(lambda x: torch.cat(x.split(3, -1)[::-1], -1).sin())
+    assert torch.equal(grad(block), expected)
+    got = grad(torch.compile(block, backend=capture.backend()))
+    torch.testing.assert_close(got, expected)
+    assert not _ops(capture.fw, "offload")
+
+
 def _wait_positions(fw):
     """Each offload's wait: how many forward ops run after it (0: at the graph's end)."""
     nodes = [n for n in fw.graph.nodes if n.op == "call_function"]

@@ -236,8 +236,13 @@ _KEEP_ON_VIEW: Any = object()
 
 
 def _on_cpu(node: fx.Node) -> bool:
+    """Every tensor ``node`` produces is on the CPU (a multi-output view, ``split``, has a
+    list of them)."""
     val = graph_meta.val(node)
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+    vals = [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (list, tuple)) \
+        else [val]
+    return bool(vals) and all(isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                              for v in vals)
 
 
 def _decided_as_view(node: fx.Node) -> bool:
