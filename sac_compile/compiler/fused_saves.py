@@ -36,7 +36,7 @@ from ..cut import costs
 from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
 from .facts import Unfused
-from .peak import _alias_source, cut_peaks, storage_base
+from .peak import cut_peaks, read_only_by_fusible, storage_base
 
 __all__ = ["fused_away_saves", "solve_allocating_less"]
 
@@ -64,14 +64,7 @@ def fused_away_saves(net: FlowNetwork, kept: list[fx.Node]) -> list[fx.Node]:
                 b.target is operator.getitem or net.recompute_cost[i] == INF or \
                 not fusible(b):
             continue
-        readers, stack = [], [b]
-        while stack:
-            m = stack.pop()
-            for u in m.users:
-                if u not in cls.index:
-                    continue
-                (stack if _alias_source(u) is m else readers).append(u)
-        if all(fusible(u) for u in readers):
+        if read_only_by_fusible(b, cls.index, fusible):
             out.append(v)
     return out
 

@@ -11,11 +11,12 @@ whole backward (issue 17's 6-block stack traversed twice: Inductor's own peak es
 Torch's own rule against it (``Scheduler.are_long_distant_nodes``: more than 64 nodes
 apart) is applied only to fusions of kernels with no path between them; here the later
 traversal's kernel does depend on the earlier one (through the model's output), so the
-scheduler takes the pair for a producer/consumer fusion and the rule is not asked. We
-veto, for the graphs our backend compiles, any fusion of two kernels more than 64 nodes
-apart in which the later one reads nothing the earlier one writes: such a fusion saves
-re-reading shared inputs only, never a buffer, and lengthens live ranges. A producer and
-its consumer are never vetoed.
+scheduler takes the pair for a producer/consumer fusion and the rule is not asked (one
+traversal's partial parameter gradient is read by the other's sum). We veto, for the
+graphs our backend compiles, a fusion of two kernels more than 64 nodes apart that keeps
+more bytes alive than it spares (:func:`is_distant_reuse`): the earlier kernel's inputs
+live until the later one runs, while only the earlier one's outputs the later one reads
+are no longer allocated. Kernels within 64 nodes fuse as before.
 
 How: Inductor's fusion heuristics are its ``InductorChoices`` handler (``V.choices``). A
 scheduler pass run just before fusion (``_pre_fusion_custom_pass``) installs a handler
@@ -66,8 +67,9 @@ def is_distant_reuse(scheduler: Any, node1: Any, node2: Any) -> bool:
     activation after its last use), while the fusion spares only the earlier one's
     outputs that the later one reads. (A partial parameter gradient of one traversal
     fused into the other traversal's sum keeps that traversal's recomputed activations
-    alive for the other's whole backward.) A size this cannot read counts as large: the
-    fusion is refused, as torch's distance rule would."""
+    alive for the other's whole backward.) A size this cannot read counts as infinite:
+    unreadable on the inputs' side only, the fusion is refused, as torch's distance rule
+    would; unreadable on both sides, it is left to Inductor."""
     try:
         distance = max(abs(node1.min_order - node2.max_order),
                        abs(node2.min_order - node1.max_order))

@@ -26,7 +26,7 @@ model is the order of the graphs as extracted, the same for every compiler.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from ..cut import costs
 from ..cut.roles import Role, node_role
 from ..torch_internals import OpOverload, pytree
 
-__all__ = ["estimate_peak", "cut_peak", "cut_peaks", "storage_base"]
+__all__ = ["estimate_peak", "cut_peak", "cut_peaks", "read_only_by_fusible", "storage_base"]
 
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
@@ -273,6 +273,23 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak)
 
 
+def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
+                         fusible: Callable[[fx.Node], bool]) -> bool:
+    """Every reader of ``node``'s storage among ``within`` is fusible, views followed
+    through to their readers (a view reads nothing: its readers read the storage)."""
+    stack = [node]
+    while stack:
+        m = stack.pop()
+        for u in m.users:
+            if u not in within:
+                continue
+            if _alias_source(u) is m:
+                stack.append(u)
+            elif not fusible(u):
+                return False
+    return True
+
+
 def _fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> set[Key]:
     """Inductor's view of a walk (torch's partitioner's ``is_materialized`` rule): a
     storage that is neither given nor an output, made by a fusible op whose every reader in
@@ -286,17 +303,7 @@ def _fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> set[Key]:
         if k in walk.outputs or n.name in walk.given_names or n.op != "call_function" or \
                 not fusible(n):
             return False
-        stack = [n]
-        while stack:
-            m = stack.pop()
-            for u in m.users:
-                if u not in in_walk:
-                    continue
-                if _alias_source(u) is m:  # a view: its readers read this storage
-                    stack.append(u)
-                elif not fusible(u):
-                    return False
-        return True
+        return read_only_by_fusible(n, in_walk, fusible)
 
     out = {k for k in walk.made_at if away(k)}
     for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
