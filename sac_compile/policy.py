@@ -55,9 +55,9 @@ class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
     """What a policy sees besides the op: torch's ``is_recompute``/``op_output``, plus
     the region it is asked for, the path of active regions, and the labels of the output.
 
-    Reading ``region`` or ``region_path`` is counted (:func:`region_reads`): a compiled
-    region shares one graph with every identical region whose policy decides without the
-    name, so a policy seen to read it gets a graph per name."""
+    Whether a policy decides by the region's name is not guessed from its code: a
+    compiled region's group checks its members' answers (:mod:`sac_compile.compiler.
+    group_check`)."""
 
     def __init__(self, *, op_output: Any = None, region: str = "",
                  region_path: tuple[str, ...] = (), names: frozenset[str] = frozenset()) -> None:
@@ -65,42 +65,14 @@ class PolicyContext(_torch_checkpoint.SelectiveCheckpointContext):
         # (torch 2.11's SelectiveCheckpointContext takes no op_output: set it here.)
         super().__init__(is_recompute=False)
         self.op_output = op_output
-        self._region = region
-        self._region_path = region_path
+        self.region = region
+        self.region_path = region_path
         self.names = names
-
-    @property
-    def region(self) -> str:
-        _REGION_READS[0] += 1
-        return self._region
-
-    @region.setter
-    def region(self, value: str) -> None:
-        self._region = value
-
-    @property
-    def region_path(self) -> tuple[str, ...]:
-        _REGION_READS[0] += 1
-        return self._region_path
-
-    @region_path.setter
-    def region_path(self, value: tuple[str, ...]) -> None:
-        self._region_path = value
-
-
-_REGION_READS = [0]  # how many times a policy read ctx.region / ctx.region_path
-
-
-def region_reads() -> int:
-    """A counter of policy reads of ``ctx.region``/``ctx.region_path`` in this process:
-    compare it before and after asking a policy to see whether the answer used the name."""
-    return _REGION_READS[0]
 
 
 def region_of(ctx: Any) -> str:
-    """The region a context is asked for, read without counting (for our own messages)."""
-    region = getattr(ctx, "_region", None)
-    return region if region is not None else getattr(ctx, "region", "")
+    """The region a context is asked for (for our own messages; "" for torch's contexts)."""
+    return getattr(ctx, "region", "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,25 +8,22 @@ guard a closure by its code alone, and blocks whose policies differ only in a cl
 value would share one split.
 
 So a region passes one string, its group's **token**, and Dynamo guards that string. Regions
-share a group when their policies have the same identity (:mod:`.policy_identity`: the
-same value, or functions with the same code and the same values read) and
-``allow_cache_entry_mutation`` agrees - unless the policy may read ``ctx.region``, then
-each name has its own group. The name is data: the group keeps every member's name for
-reports and logs, and a group's graph is traced with the policy asked under the name of
-its first member (for a policy that does not read it, any member's name decides the same).
+share a group when their policies have the same proven identity (:mod:`.policy_identity`:
+our policy values by what they hold, an object with a ``cache_hash``; any other policy by
+the object itself) and ``allow_cache_entry_mutation`` and the memory budget agree. The name
+is data: the group keeps every member's name for reports and logs.
 
-A policy seen to read the name while it decides (``policy.region_reads``) but whose code
-did not show it: :func:`split_by_name` gives each member its own group (said once); the
-tokens change, so Dynamo compiles again for the other members.
+A group is a claim that its members decide alike; it is checked, not guessed. Each time a
+region of a group is traced, its policy is asked again about the ops it was just asked
+about, under every other member's name (:func:`regroup_by_decisions`, from the tagging
+mode): members whose answers differ - a policy that reads ``ctx.region`` by any route - move
+to a group of their own answers, one per distinct set of decisions (10 blocks with two
+decision sets: two compiles). Their tokens change, so Dynamo compiles again for them.
 
-A policy with no stable identity (an object whose state the rule cannot see), or whose own
-state holds a list, dict or set (a counter in a closure: equal now, not later), is grouped
-by the object itself: regions given the same object still share.
-
-Function regions (``@sac_region`` on a function) are grouped by name as well: Dynamo guards
-the decorated function anyway, so sharing gains nothing there, and errors and reports keep
-naming the right function. Module regions leave the name out; their names are recovered for
-each region of a graph that holds several (:func:`name_in_graph`).
+Function regions (``@sac_region`` on a function) are grouped by their name as well: Dynamo
+guards the decorated function anyway, so sharing gains nothing there, and errors and
+reports keep naming the right function. Module regions leave the name out; their names are
+recovered for each region of a graph that holds several (:func:`name_in_graph`).
 
 More groups than Dynamo's recompile limit allows for one block's code would fail a
 ``fullgraph=True`` compile, or silently run the rest uncompiled: :func:`_allow_recompiles`
@@ -45,10 +42,10 @@ import torch
 from . import graph_meta
 from .budgets import budget_key
 from .policy import RegionFrame
-from .policy_identity import policy_identity
+from .policy_identity import object_serial, policy_identity
 from .torch_internals import dynamo_recompile_limits
 
-__all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "split_by_name",
+__all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "regroup_by_decisions",
            "members_of", "BudgetStep"]
 
 log = logging.getLogger("sac_compile")
@@ -118,14 +115,14 @@ class RegionSlot:
 
 _GROUPS: dict[str, RegionGroup] = {}
 _LOCK = threading.RLock()
-_NAME_SPLIT: set[str] = set()  # identities seen reading the name at run time
 
 
-def _identity_text(policy: Any) -> tuple[str, str | None, bool]:
+def _identity_text(policy: Any) -> tuple[str, str | None]:
+    """The policy's proven identity, else the object itself (:func:`object_serial`)."""
     identity = policy_identity(policy)
-    shared = identity.key is not None and not identity.own_mutable_state
-    text = identity.key if shared else f"object {id(policy)}"
-    return text, identity.why_not, identity.reads_region or text in _NAME_SPLIT
+    if identity.key is not None:
+        return identity.key, None
+    return object_serial(policy), identity.why_not
 
 
 def _token(identity_text: str, allow: bool, name: str | None, budget: Any = None) -> str:
@@ -137,8 +134,7 @@ def _token(identity_text: str, allow: bool, name: str | None, budget: Any = None
 
 def _join(slot: RegionSlot, policy: Any, allow: bool, by_name: bool = False,
           budget: Any = None) -> None:
-    identity_text, why_not, reads_name = _identity_text(policy)
-    by_name = by_name or reads_name
+    identity_text, why_not = _identity_text(policy)
     token = _token(identity_text, allow, slot.name if by_name else None, budget)
     with _LOCK:
         group = _GROUPS.get(token)
@@ -221,27 +217,38 @@ def members_of(name: str) -> list[str]:
     return [name]
 
 
-def split_by_name(group: RegionGroup) -> None:
-    """``group``'s policy read the region's name while deciding, which its code did not
-    show: from now on each name has a group of its own (later regions of the policy too).
-    The members' tokens change, so Dynamo compiles again for each of them."""
+def regroup_by_decisions(group: RegionGroup, traced: str,
+                         answers: dict[str, tuple[str, ...]]) -> list[str]:
+    """``answers``: for members of ``group``, what its policy answered, op by op, for the
+    ops of the region just traced under member ``traced``'s name. Members whose answers
+    differ from ``traced``'s move to a group per distinct set of answers (new tokens:
+    Dynamo compiles once more per set). Returns the names moved."""
+    mine = answers.get(traced)
+    moved: list[str] = []
     with _LOCK:
-        if group.by_name:
-            return
-        identity_text, _, _ = _identity_text(group.policy)
-        _NAME_SPLIT.add(identity_text)
-        slots, keep = group.slots, group.name
-        group.by_name = True
-        group._slots = []
-        for slot in slots:
-            if slot.name == keep:
-                group.add(slot)
-            else:
-                _join(slot, group.policy, group.allow, budget=group.budget)
-    log.warning("sac_compile: the policy %r read ctx.region while deciding, which its code "
-                "did not show; its regions (%s) now compile one graph per name (said once "
-                "per policy)", group.policy,
-                ", ".join(s.name for s in slots[:4]) + (", ..." if len(slots) > 4 else ""))
+        for slot in group.slots:
+            theirs = answers.get(slot.name)
+            if slot.name == traced or theirs is None or theirs == mine:
+                continue
+            digest = hashlib.sha256("\n".join(theirs).encode()).hexdigest()[:20]
+            token = "sac:" + hashlib.sha256(f"{group.token}|{digest}".encode()
+                                            ).hexdigest()[:20]
+            target = _GROUPS.get(token)
+            if target is None:
+                target = _GROUPS[token] = RegionGroup(token, group.policy, slot.name,
+                                                      group.allow, group.by_name,
+                                                      group.why_no_key, group.budget)
+                _allow_recompiles()
+            group._slots = [r for r in group._slots if r() is not slot]
+            target.add(slot)
+            slot.token = token
+            moved.append(slot.name)
+    if moved:
+        log.info("sac_compile: the policy %r decides differently for %s than for %r (it "
+                 "reads the region's name): they compile one graph per distinct set of "
+                 "decisions", group.policy,
+                 ", ".join(moved[:4]) + (", ..." if len(moved) > 4 else ""), traced)
+    return moved
 
 
 class BudgetStep:

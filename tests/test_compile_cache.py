@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import textwrap
 
+import functools
+import dataclasses
 import pytest
 import torch
 from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache,
@@ -120,10 +122,15 @@ def test_reports_asked_for_bypass_the_cache():
     assert len(seen) == 1
 
 
-def test_a_policy_reading_state_the_rule_cannot_name_bypasses_the_cache():
+def test_a_policy_without_a_proven_identity_bypasses_the_cache():
     assert isinstance(_hashes_torch_reads(_policy_reading_the_environment),
                       BypassAOTAutogradCache)
-    keyed = _hashes_torch_reads(lambda ctx, op, *a, **k: None)  # code and nothing else
+    # Code alone proves nothing (it may read a global, a class attribute, the environment)
+    assert isinstance(_hashes_torch_reads(lambda ctx, op, *a, **k: None),
+                      BypassAOTAutogradCache)
+    declared = functools.partial(_policy_reading_the_environment)
+    declared.cache_hash = "environment-v1"
+    keyed = _hashes_torch_reads(declared)
     assert isinstance(keyed, list) and len(keyed) == 1
 
 
@@ -134,18 +141,25 @@ def test_policy_key_forms():
     assert policy_key("save_matmuls") is not None
     assert policy_key(policies.save_ops(aten.mm.default)) != \
         policy_key(policies.save_ops(aten.bmm.default))
-    assert policy_key(_policy_saving_mm) is not None
-    assert "_policy_saving_mm" in policy_key(_policy_saving_mm)
-    # Code and the values it reads, transitively: lambdas and closures have keys.
-    lambda_key = policy_key(lambda ctx, op, *a, **k: None)
-    assert lambda_key is not None
-    assert policy_key(policies.compose(lambda ctx, op, *a, **k: None)) is not None
-    assert policy_key(lambda ctx, op, *a, **k: P.MUST_SAVE) != lambda_key
+    assert policy_key(policies.compose(policies.relaxed("save_matmuls"), "save_all")) \
+        is not None
+    # A user's code has no proven identity, however plain it looks, nor does a preset
+    # that holds it
+    assert policy_key(_policy_saving_mm) is None
+    assert policy_key(lambda ctx, op, *a, **k: None) is None
+    assert policy_key(policies.compose(lambda ctx, op, *a, **k: None)) is None
+    assert policy_key(_policy_reading_the_environment) is None
 
-    def closure(ctx, op, *a, **k):
-        return _policy_saving_mm(ctx, op)
-    assert _policy_saving_mm.__qualname__ in policy_key(closure)   # the helper it calls
-    assert policy_key(_policy_reading_the_environment) is None     # os.environ: no key
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        lossy: bool
+
+        def __call__(self, ctx, op, *a, **k):
+            return None
+    assert policy_key(Frozen(True)) is None                         # a user's dataclass
+    tampered = policies.save_ops(aten.mm.default)
+    object.__setattr__(tampered, "lossy", True)                      # state outside fields
+    assert policy_key(tampered) is None
 
     class Stateful:
         def __call__(self, ctx, op, *a, **k):

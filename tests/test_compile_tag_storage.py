@@ -3,6 +3,8 @@
 marker op), and MUST_CPU_OFFLOAD / SaveWithHooks decided on a view op apply to its base."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache,
@@ -33,6 +35,9 @@ def from_f16(t):
     return t.to(torch.float32)
 
 
+# Hooks name their identity (a cache_hash each): what lets a graph holding them be cached.
+to_bf16.cache_hash, from_bf16.cache_hash = "to_bf16-v1", "from_bf16-v1"
+to_f16.cache_hash, from_f16.cache_hash = "to_f16-v1", "from_f16-v1"
 BF16 = SaveWithHooks(to_bf16, from_bf16)
 
 
@@ -147,7 +152,7 @@ def test_encoded_hooks_round_trip_and_are_named_stably():
     assert back.pack is to_bf16 and back.unpack is from_bf16
     assert decode_opinion("MUST_SAVE") is CP.MUST_SAVE
     assert encode_opinion(SaveWithHooks(lambda t: t.half(), lambda p: p.float())) \
-        .startswith("SaveWithHooks:")                  # code and nothing else: stable
+        .startswith("SaveWithHooks@")                  # no declared identity: unstable
     unstable = encode_opinion(_STATEFUL_HOOKS)
     assert unstable.startswith("SaveWithHooks@")
     with pytest.raises(Exception, match="not registered in this process"):
@@ -171,9 +176,9 @@ _STATEFUL_HOOKS = SaveWithHooks(_Caster(torch.bfloat16).pack, _Caster(torch.bflo
 
 
 def test_hooks_key_forms():
-    assert hooks_key(BF16) == f"SaveWithHooks({policy_key(to_bf16)}; {policy_key(from_bf16)})"
+    assert hooks_key(BF16) == "SaveWithHooks(cache_hash:to_bf16-v1; cache_hash:from_bf16-v1)"
     assert hooks_key(SaveWithHooks(to_f16, from_f16)) != hooks_key(BF16)
-    assert hooks_key(SaveWithHooks(lambda t: t, from_bf16)) is not None   # code: keyed
+    assert hooks_key(SaveWithHooks(lambda t: t, from_bf16)) is None   # a user's code: no key
     assert hooks_key(SaveWithHooks(torch.clone, torch.clone)) is not None
     assert hooks_key(_STATEFUL_HOOKS) is None
 
@@ -182,9 +187,11 @@ def _policy_returning_global_hooks(ctx, op, *args, **kwargs):
     return BF16 if op is aten.mm.default else None
 
 
-def test_a_policy_key_covers_the_hooks_it_returns():
-    key = policy_key(_policy_returning_global_hooks)
-    assert key is not None and hooks_key(BF16) in key
+def test_a_function_returning_hooks_has_no_key_unless_it_declares_one():
+    assert policy_key(_policy_returning_global_hooks) is None
+    declared = functools.partial(_policy_returning_global_hooks)
+    declared.cache_hash = "bf16-matmuls-v1"
+    assert policy_key(declared) == "cache_hash:bf16-matmuls-v1"
 
 
 def _cache_view(hooks):
@@ -203,7 +210,7 @@ def _cache_view(hooks):
             seen.append((e, texts))
         return compiled
 
-    @sac_region(_policy_saving_nothing_keyed, name="T")
+    @sac_region("recompute_all", name="T")
     def block(x, w1, w2):
         return tag(x @ w1, hooks).sin() @ w2
 
@@ -211,10 +218,6 @@ def _cache_view(hooks):
     _grads(torch.compile(block, backend=recording), _inputs())
     (result,) = seen
     return result
-
-
-def _policy_saving_nothing_keyed(ctx, op, *args, **kwargs):
-    return None
 
 
 def test_the_cache_key_covers_tagged_hooks():

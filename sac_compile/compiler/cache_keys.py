@@ -12,12 +12,13 @@ the partial included: it is replaced by a :class:`KeyedContextFn`, the same call
 pickles as its hash.
 
 The hash must change whenever the split could: it covers ``allow_cache_entry_mutation``, the
-policy's identity computed afresh at each compile (:mod:`sac_compile.policy_identity`, the
-one rule: what the policy's decisions can depend on, transitively), and the region's name
-when the policy may read it. The code of the tagging, normalisation and cut is covered by
-the partitioner's ``uuid()``, which Inductor's cache key includes. A policy without a key
-gets no hash: the graph that holds its region bypasses the cache, and one log line per
-region (``sac_compile`` logger, INFO) names the value that has no stable name.
+policy's proven identity (:mod:`sac_compile.policy_identity`: our policy values, or a
+``cache_hash`` the user declared), the memory budget, and the name the region is decided
+under (a policy may read it). The code of the tagging, normalisation and cut is covered by
+the partitioner's ``uuid()``, which Inductor's cache key includes. A policy whose identity
+cannot be proven - any function or object of the user's without a ``cache_hash`` - gets no
+hash: the graph that holds its region bypasses the cache, and one log line per region
+(``sac_compile`` logger, INFO) says why.
 
 ``SaveWithHooks`` given to ``tag()`` are covered by the marker's string in the region's
 graph, which names the hooks' identity (:mod:`sac_compile.markers`); a region holding a tag whose
@@ -44,14 +45,14 @@ log = logging.getLogger("sac_compile")
 
 
 def region_cache_hash(kind: str, name: str, policy: Any, allow: bool,
-                      by_name: bool = True, budget: str = "none") -> str | None:
-    """The region's hash for the caches, or None (then the graph bypasses them).
-    ``budget``: :func:`sac_compile.budgets.budget_cache_text` of its memory budget."""
+                      budget: str = "none") -> str | None:
+    """The region's hash for the caches, or None (then the graph bypasses them). ``name``:
+    the name the region is decided under; ``budget``:
+    :func:`sac_compile.budgets.budget_cache_text` of its memory budget."""
     key = policy_key(policy)
     if key is None:
         return None
-    named = name if by_name else "<any>"
-    text = f"sac_compile {kind} region {named!r} allow={allow} policy={key}"
+    text = f"sac_compile {kind} region {name!r} allow={allow} policy={key}"
     if budget != "none":  # (the text of regions without a budget is as it was)
         text += f" budget={budget}"
     return hashlib.sha256(text.encode()).hexdigest()
@@ -74,12 +75,13 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
         budget: str | None = "none"
         if kind == "region":
             group = group_of_token(context_fn.args[0])
-            name, policy, allow, by_name = group.name, group.policy, group.allow, group.by_name
+            name = context_fn.args[1] if len(context_fn.args) > 1 else group.name
+            policy, allow = group.policy, group.allow
             budget = budget_cache_text(group.budget, whole=group.budget is not None and
                                        id(group.budget.model) in whole)
         else:
             name, policy = context_fn.args[:2]
-            allow, by_name = bool(context_fn.args[2:3] and context_fn.args[2]), True
+            allow = bool(context_fn.args[2:3] and context_fn.args[2])
         if _has_unstable_hooks_tag(module):
             _say_bypassed(name, "a tag(..., SaveWithHooks) in it has hooks with no stable "
                                 "identity; use module-level functions for pack and unpack")
@@ -88,10 +90,10 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
             _say_bypassed(name, "its whole-model memory budget's price is not found yet (its "
                                 "partitions record the blocks' networks for it)")
             continue
-        digest = region_cache_hash(kind, name, policy, allow, by_name, budget)
+        digest = region_cache_hash(kind, name, policy, allow, budget)
         if digest is None:
-            why = policy_identity(policy, cached=False).why_not
-            _say_bypassed(name, f"its policy {policy!r} reads {why}")
+            why = policy_identity(policy).why_not
+            _say_bypassed(name, f"its policy {policy!r}: {why}")
             continue
         graph_meta.set_checkpoint_context_fn(module, KeyedContextFn.of(context_fn, digest))
         annotated += 1

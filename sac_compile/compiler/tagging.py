@@ -54,8 +54,9 @@ from ..logs import warn_once_per_region
 from ..per_call import fresh_frame
 from ..inert_policies import DecidedOp, warn_inert_policies
 from ..policy import (PREFER_RECOMPUTE, CheckpointError, CheckpointPolicy, Decision,
-                      RegionFrame, decide, foreign_tensor_message, region_reads)
-from ..region_groups import RegionGroup, group_of_token, split_by_name
+                      RegionFrame, decide, foreign_tensor_message)
+from ..region_groups import RegionGroup, group_of_token
+from .group_check import check_group
 from ..markers import MARKER_OPS as _MARKER_OPS, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import is_joint_graph
 from ..torch_internals import TorchDispatchMode, TorchDispatchModeKey, get_dispatch_mode
@@ -99,6 +100,9 @@ class SACTaggingMode(TorchDispatchMode):
         # the inert-policy warning when it exits (as the eager runtime does at region exit).
         self.decided: list[DecidedOp] = []
         self.joint: bool | None = None  # see _joint
+        # What this region's policy was asked, in order (.group_check.Ask):
+        # its group's other members are asked the same at exit (.group_check).
+        self.asks: list[tuple[Any, tuple, dict, Any, tuple[str, ...], int]] = []
 
     def _joint(self, graph: torch.fx.Graph) -> bool:
         """Whether the graph being traced is a joint forward/backward graph (has tangents);
@@ -126,6 +130,9 @@ class SACTaggingMode(TorchDispatchMode):
             if outermost and exc[0] is None and self.decided:
                 decided, self.decided = self.decided, []
                 warn_inert_policies(decided)
+            asks, self.asks = self.asks, []
+            if exc[0] is None and self.group is not None:
+                check_group(self.group, self.frame.name, asks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
@@ -149,26 +156,29 @@ class SACTaggingMode(TorchDispatchMode):
                 frames = tuple(m.frame for m in stack)
                 stack[0].decided.append(DecidedOp(frames, func, _TAG_DECISION))
             return out
+        # The nodes the op created, taken before the policies are asked: a policy that
+        # computes with SymInts (ctx.op_output.numel() > 64) adds nodes of its own.
+        created = list(itertools.islice(reversed(graph.nodes), new))
         frames = tuple(m.frame for m in stack)
         path = tuple(f.name for f in frames)
         if func in SAC_IGNORED_OPS:
             decision = Decision(PREFER_RECOMPUTE, region=path[-1], source="default")
             ask = None
         else:
-            reads = region_reads()
             try:
                 decision = decide(frames, func, args, kwargs, out)
             except CheckpointError as e:
                 reraise_compiled(e)
-            if region_reads() != reads:
-                _name_was_read(stack)
+            for index, mode in enumerate(stack):
+                if mode.group is not None:
+                    mode.asks.append((func, args, kwargs, out, path, index))
             ask = (frames, func, args, kwargs, out)
             stack[0].decided.append(DecidedOp(frames, func, decision))
         call = next(_call_ids)
         joint = self._joint(graph)
         budgets = tuple((m.region_id, m.frame.name, m.frame.budget) for m in stack
                         if m.frame.budget is not None)
-        for node in itertools.islice(reversed(graph.nodes), new):
+        for node in created:
             write_decision(node, decision, path)
             if not joint and _is_seeded(node) and decision.policy in _RECOMPUTES:
                 # A graph without tangents is never partitioned; torch's forward-loss-
@@ -188,15 +198,6 @@ class SACTaggingMode(TorchDispatchMode):
 
 
 _RECOMPUTES = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-
-
-def _name_was_read(stack: list[SACTaggingMode]) -> None:
-    """A policy of the active regions read ``ctx.region`` while deciding: the groups that
-    assumed the name does not matter are split by name (which policy read it is not
-    known; splitting one too many costs a compile, never a wrong split later)."""
-    for mode in stack:
-        if mode.group is not None and not mode.group.by_name and len(mode.group.slots) > 1:
-            split_by_name(mode.group)
 
 
 def _is_seeded(node: torch.fx.Node) -> bool:
