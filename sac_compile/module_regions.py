@@ -176,6 +176,14 @@ class _RegionModule:
             f"TorchScript cannot represent. Script the module without sac_region, or use "
             f"torch.compile(model, backend=sac_compile.sac_backend), which keeps the region")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (copy.deepcopy) or a loaded module: its regions' names are found again by
+        # this module, as the original's are (region_groups.name_in_graph), so a copy
+        # compiled whole reports and budgets each block by its own name.
+        super().__setstate__(state)  # type: ignore[misc]
+        for config in self.__dict__.get("_sac_regions", ()):
+            name_module(self, config.frame.name)
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickled as the original class (which pickle finds by name); the class is
         # swapped back on load. The region config travels in the instance's state.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import threading
 import types
@@ -149,8 +150,9 @@ def hooks_key(hooks: SaveWithHooks) -> str | None:
         return None
 
 
-_SERIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PINNED: dict[int, tuple[Any, int]] = {}  # objects that take no weak reference: kept alive
+# id -> (a reference to the object, its serial). Keyed by identity, never by equality: two
+# equal objects (a user's dataclass whose state lies outside its fields) are two policies.
+_SERIALS: dict[int, tuple[Any, int]] = {}
 _COUNTER = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -161,14 +163,24 @@ def object_serial(obj: Any) -> str:
     compiled graph to the new one). A bound method is named by its function and object."""
     if isinstance(obj, types.MethodType):
         return f"method {object_serial(obj.__func__)} of {object_serial(obj.__self__)}"
+    key = id(obj)
     with _LOCK:
-        try:
-            serial = _SERIALS.get(obj)
-            if serial is None:
-                serial = _SERIALS[obj] = next(_COUNTER)
-        except TypeError:  # no weak reference: pin the object, so its id stays its own
-            pinned = _PINNED.get(id(obj))
-            if pinned is None or pinned[0] is not obj:
-                pinned = _PINNED[id(obj)] = (obj, next(_COUNTER))
-            serial = pinned[1]
-    return f"object #{serial}"
+        entry = _SERIALS.get(key)
+        if entry is None or entry[0]() is not obj:
+            try:
+                ref: Any = weakref.ref(obj, functools.partial(_forget, key))
+            except TypeError:  # no weak reference: pinned, so that its id stays its own
+                ref = functools.partial(_pinned, obj)
+            entry = _SERIALS[key] = (ref, next(_COUNTER))
+    return f"object #{entry[1]}"
+
+
+def _pinned(obj: Any) -> Any:
+    return obj
+
+
+def _forget(key: int, ref: Any) -> None:
+    with _LOCK:
+        entry = _SERIALS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _SERIALS[key]

@@ -166,9 +166,13 @@ class RemoveMarkers(CustomGraphPass):
             self.then(graph)
 
     def uuid(self) -> Any:
-        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else \
-            (None if self.then is None else repr(self.then))
-        return (get_hash_for_files((__file__,)).hex(), then)
+        # None asks Inductor not to cache the graph: so it is when the user's pass asks it,
+        # or has no uuid() to say what it does (a plain function)
+        own = get_hash_for_files((__file__,)).hex()
+        if self.then is None:
+            return (own, None)
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return None if then is None else (own, then)
 
 
 def sac_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:

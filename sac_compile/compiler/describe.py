@@ -53,6 +53,11 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
         _describe_cut(report, cut)
     if counts and counts.get("fold_markers"):
         report.notes.append(f"{counts['fold_markers']} tag()/name() markers folded")
+    if counts and counts.get("keep_storage_in_region"):
+        report.notes.append(
+            f"{counts['keep_storage_in_region']} values read outside their region kept as "
+            f"plain saves, without the region's hooks or CPU offload (a region's storage "
+            f"decisions apply to its own saves only)")
     _describe_graphs(report, gm, split, static)
     if cut is not None and cut.peak_fit is not None and report.peak is not None and \
             report.peak.bytes > cut.peak_fit.cap:

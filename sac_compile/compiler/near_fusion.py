@@ -143,7 +143,8 @@ class _SchedulerPass:
         own = get_hash_for_files((__file__,)).hex()
         if self.then is None:
             return own
-        return (own, self.then.uuid() if hasattr(self.then, "uuid") else repr(self.then))
+        then = self.then.uuid() if hasattr(self.then, "uuid") else None
+        return None if then is None else (own, then)  # None: the user's pass is not cached
 
     def __getstate__(self) -> dict[str, Any]:
         # what Inductor's cache key pickles (the pass after fusion is pickled, not asked

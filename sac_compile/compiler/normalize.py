@@ -28,7 +28,10 @@ joint graph and returns it, rewritten in place, with the number of nodes it chan
    of its own; a view is kept as a plain save (PREFER_SAVE): a MUST save on a view, and the
    storage part (offload, hooks) of its decision, which pass 5 gave to its base (except
    the hooks pass 5 left on the view).
-7. :func:`drop_tracing_metadata` - what only the passes above needed.
+7. :func:`~.region_storage.keep_storage_in_region` - a value read outside the region that
+   made it keeps its save but not its hooks or offload (they are the region's, for its own
+   backward; the reader outside gets the value as the program without the region would).
+8. :func:`drop_tracing_metadata` - what only the passes above needed.
 
 Passes 4 and 6 write a node's decision to its ``getitem``s too, and passes 2 and 5 to all
 nodes of the dispatched op (``sac_call``), so that a multi-output op never ends up split.
@@ -56,6 +59,7 @@ from ..torch_internals import OpOverload
 from ..markers import NAME_OP, TAG_OP, decode_opinion, marker_producer
 from ..cut.roles import Role, node_role
 from ..tensor_memory import is_view_op
+from .region_storage import keep_storage_in_region
 from .rewritten_nodes import adopt_rewritten_nodes
 from .tagging import reraise_compiled, write_decision
 
@@ -359,7 +363,7 @@ def tag_views_like_their_base(gm: fx.GraphModule) -> PassResult:
     return gm, changed
 
 
-# -- 7 ------------------------------------------------------------------------------------
+# -- 8 ------------------------------------------------------------------------------------
 
 def drop_tracing_metadata(gm: fx.GraphModule) -> PassResult:
     """What the policies were asked (``sac_ask``, which holds fake tensors), the markers
@@ -377,7 +381,7 @@ def drop_tracing_metadata(gm: fx.GraphModule) -> PassResult:
 PASSES: tuple[Callable[[fx.GraphModule], PassResult], ...] = (
     adopt_rewritten_nodes, adopt_torch_tags, fold_markers, share_decisions_with_getitems,
     propagate_to_decompositions, carry_view_storage_to_bases, tag_views_like_their_base,
-    drop_tracing_metadata)
+    keep_storage_in_region, drop_tracing_metadata)
 
 
 def normalize_tags(gm: fx.GraphModule) -> dict[str, int]:

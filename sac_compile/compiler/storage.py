@@ -35,6 +35,7 @@ from ..policy import CheckpointPolicy, Decision
 from ..cut import costs
 from .extract import Split
 from .facts import Storage
+from .region_storage import backward_nodes, read_outside
 
 __all__ = ["HookTraces", "packed_sizes", "save_bases_of_views", "StoredValue", "StoragePlan",
            "plan_storage", "apply_storage"]
@@ -130,9 +131,12 @@ def _stand_in(d: fx.Node, saved: set[str]) -> fx.Node | None:
     return None
 
 
-def _carries(d: fx.Node, s: fx.Node, dec: Decision) -> bool:
+def _carries(d: fx.Node, s: fx.Node, dec: Decision, backward: set[fx.Node]) -> bool:
     if _storage_decision(s) is not None:
         return False
+    if graph_meta.outer_region_id(s) != graph_meta.outer_region_id(d) or \
+            read_outside(s, backward):
+        return False  # a region's storage decisions apply to its own saves only
     own = graph_meta.decision(s)
     if own is not None and own.saves:
         return False  # the policy said how to keep this one
@@ -152,7 +156,10 @@ class HookTraces:
 
     def __call__(self, hooks: Any, val: torch.Tensor) -> Any:
         from .save_hooks import trace_hooks
-        key = (id(hooks), tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+        # Sizes as text: under dynamic shapes they are SymInts, which do not hash (the same
+        # symbol is the same size within one graph)
+        key = (id(hooks), tuple(map(str, val.shape)), tuple(map(str, val.stride())),
+               val.dtype, val.device)
         if key not in self._cache:
             try:
                 self._cache[key] = trace_hooks(hooks, val)
@@ -200,13 +207,14 @@ def plan_storage(gm: fx.GraphModule, split: Split, host: list[fx.Node], static: 
         if dec is not None:
             items[name] = (dec, joint[name])
     fw_names = {n.name for n in fw.graph.nodes}
+    backward = backward_nodes(gm.graph)
     plan = StoragePlan()
     for d in gm.graph.nodes:
         dec = _storage_decision(d)
         if dec is None or d.name in in_bw or d.op != "call_function" or not _is_tensor(d):
             continue
         s = _stand_in(d, kept_set)
-        if s is not None and s.name not in items and _carries(d, s, dec):
+        if s is not None and s.name not in items and _carries(d, s, dec, backward):
             items[s.name] = (dec, d)
         elif d.name in fw_names:
             plan.unkept.append(d)
