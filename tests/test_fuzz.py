@@ -795,7 +795,7 @@ def test_cache_programs_read_their_value_as_drawn(tmp_path, monkeypatch):
 
     from fuzzlib.gen import CACHE_KINDS, CACHE_NAMED, cache_batch
     from sac_compile.policy_identity import policy_key
-    programs_ = cache_batch(16, seed=0)
+    programs_ = cache_batch(2 * len(CACHE_KINDS), seed=0)
     assert {p.kind for p in programs_} == set(CACHE_KINDS)
     for program in programs_:
         keys = []
@@ -870,3 +870,27 @@ def test_hooks_tagged_on_a_view_go_to_its_base_under_compile_only():
     outcome = harness.check(HOOKS_TAGGED_ON_A_VIEW_OF_BMM, modes=("eager", "compile"),
                             has_inplace=False)
     assert outcome.status == "ok" and outcome.notes == []
+
+
+# -- issue 26's families (tests/fuzzlib/trust.py) ------------------------------------------
+
+def test_fuzz_a_lossy_region_read_outside_it():
+    """A region keeping values as bf16 (or offloaded), its outputs read outside it and by
+    an exact region: gradients that do not flow through it are exact, eager and compiled."""
+    from fuzzlib import trust
+    ran, failed = trust.campaign(12, seed=7)
+    assert ran == 12 and not failed, "\n\n".join(failed)
+
+
+def test_fuzz_dynamic_shapes_at_three_sizes():
+    from fuzzlib import trust
+    ran, failed = trust.campaign(3, seed=8, dynamic=True)
+    assert ran == 3 and not failed, "\n\n".join(failed)
+
+
+@pytest.mark.slow
+def test_fuzz_trust_families_longer():
+    from fuzzlib import trust
+    for dynamic, n in ((False, 120), (True, 20)):
+        ran, failed = trust.campaign(n, seed=9, dynamic=dynamic)
+        assert ran == n and not failed, "\n\n".join(failed)

@@ -801,11 +801,14 @@ def boundary_programs(draw: Any, *, features: frozenset | tuple = FEATURES, max_
 # A separate generator path: programs() and boundary_programs() draw exactly as before.
 
 CACHE_KINDS = ("global dict", "enum", "object attribute", "helper function", "os.environ",
-               "closure cell", "functools.partial", "class instance")
-# what the policy identity rule names (then a changed value is a new cache key) and what it
-# cannot (then the persistent caches are bypassed) - README, "Policy identity"
-CACHE_NAMED = ("global dict", "enum", "helper function", "closure cell", "functools.partial")
-CACHE_UNNAMED = ("object attribute", "os.environ", "class instance")
+               "closure cell", "functools.partial", "class instance", "globals() call",
+               "dataclass method", "environ staticmethod", "ClassVar", "method call",
+               "enum member", "declared")
+# what has a proven identity (then a changed value is a new cache key: the user's
+# cache_hash names the value) and what has none (every other policy of a user's: the
+# persistent caches are bypassed) - README, "Policy identity"
+CACHE_NAMED = ("declared",)
+CACHE_UNNAMED = tuple(k for k in CACHE_KINDS if k not in CACHE_NAMED)
 # the values a policy reads: the opinion each gives the target op ("bf16": SaveWithHooks
 # that store it in bfloat16, so a stale split also shows in the gradients)
 CACHE_VALUES = ("bf16", "save", "recompute", "prefer_save", "none")
@@ -848,9 +851,11 @@ class CacheProgram:
 
 
 _CACHE_HEADER = '''\
+import dataclasses
 import enum
 import functools
 import os
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -897,6 +902,21 @@ _CACHE_KIND_SOURCES = {
     "closure cell": ("", "value", "closure"),
     "functools.partial": ("", "value", "partial"),
     "class instance": ("", "self.value", "instance"),
+    # the routes issue 26 found past the inspecting rule
+    "globals() call": ('globals()["VALUE_{KEY}"] = VALUE', 'globals()["VALUE_{KEY}"]',
+                       "function"),
+    "dataclass method": ("_HELD = VALUE\n\n\n@dataclasses.dataclass(frozen=True)\n"
+                         "class Reader:\n    def current(self):\n        return _HELD\n\n\n"
+                         "READER = Reader()", "READER.current()", "function"),
+    "environ staticmethod": ('os.environ["SAC_FUZZ_S_{KEY}_" + REGION_NAME] = VALUE\n\n\n'
+                             "@dataclasses.dataclass(frozen=True)\nclass Env:\n"
+                             "    @staticmethod\n    def current():\n"
+                             '        return os.environ["SAC_FUZZ_S_{KEY}_" + REGION_NAME]',
+                             "Env.current()", "function"),
+    "ClassVar": ("", "self.value", "classvar"),
+    "method call": ("_HELD = VALUE", "_HELD", "method"),
+    "enum member": ("_HELD = VALUE", "_HELD", "enum"),
+    "declared": ("", "VALUE", "declared"),
 }
 
 
@@ -922,6 +942,25 @@ def _cache_policy_source(kind: str, key: str, via_helper: bool) -> str:
         lines += ["def policy(value, ctx, op, *args, **kwargs):",
                   f"    return decide({read}, op)", "", "",
                   "POLICY = functools.partial(policy, VALUE)"]
+    elif form == "classvar":
+        lines += ["@dataclasses.dataclass(frozen=True)", "class Policy:",
+                  "    value: typing.ClassVar[str] = 'none'", "",
+                  "    def __call__(self, ctx, op, *args, **kwargs):",
+                  f"        return decide({read}, op)", "", "",
+                  "Policy.value = VALUE", "POLICY = Policy()"]
+    elif form == "method":
+        lines += ["@dataclasses.dataclass(frozen=True)", "class Policy:",
+                  "    def __call__(self, ctx, op, *args, **kwargs):",
+                  "        return self.pick(op)", "",
+                  "    def pick(self, op):", f"        return decide({read}, op)", "", "",
+                  "POLICY = Policy()"]
+    elif form == "enum":
+        lines += ["class Policy(enum.Enum):", "    ONLY = 1", "",
+                  "    def __call__(self, ctx, op, *args, **kwargs):",
+                  f"        return decide({read}, op)", "", "", "POLICY = Policy.ONLY"]
+    elif form == "declared":
+        lines += ["def policy(ctx, op, *args, **kwargs):", f"    return decide({read}, op)",
+                  "", "", 'policy.cache_hash = "fuzz-policy-" + VALUE', "POLICY = policy"]
     else:
         lines += ["class Policy:", "    def __init__(self, value):",
                   "        self.value = value", "",

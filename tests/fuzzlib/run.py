@@ -29,6 +29,12 @@ class instance); it is compiled with Inductor in one process with one value, the
 another with the other value and the same TORCHINDUCTOR_CACHE_DIR, whose split must be a
 cold compile's (harness.check_cache_batch). Failures are printed whole with a rerun recipe.
 
+Two more (tests/fuzzlib/trust.py, issue 26): ``--outside`` programs whose region keeps
+values as bf16 (hooks) or offloads them while code outside the region, and another region,
+read its outputs - every gradient that does not flow back through the lossy region must be
+exact, eager and compiled; ``--dynamic`` the same programs compiled once with
+``dynamic=True`` and run at three batch sizes, every hooked value on an op the policy hooks.
+
 Programs place tag()/name() anywhere: inside and outside regions, on values from outside
 the region (an error in both modes), with the result unused. ``--safe-tags`` keeps compiled
 programs' tags inside a region on values the region body defined.
@@ -319,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=int, default=48,
                    help="cache-family programs: policies reading a value, compiled with "
                         "Inductor in three processes sharing one persistent cache")
+    p.add_argument("--outside", type=int, default=400,
+                   help="trust-family programs: a lossy region read outside it (aot_eager)")
+    p.add_argument("--dynamic", type=int, default=60,
+                   help="trust-family programs under dynamic=True at three batch sizes")
     p.add_argument("--no-shrink", action="store_true", help="count only")
     p.add_argument("--shrink-budget", type=float, default=300,
                    help="seconds after which no new boundary shrink campaign starts")
@@ -371,6 +381,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{harness.repro_cache(program)}", flush=True)
     ctotal, cbad = ccounts["cache: programs"], len(cache_failed)
 
+    ttotal, tbad = 0, 0
+    for label, n, dynamic in (("outside", args.outside, False),
+                              ("dynamic", args.dynamic, True)):
+        if n:
+            from fuzzlib import trust
+            t0 = time.time()
+            ran, failed = trust.campaign(n, args.seed, dynamic=dynamic)
+            ttotal, tbad = ttotal + ran, tbad + len(failed)
+            print(f"\n{label}: {ran} programs in {time.time() - t0:.0f} s, {len(failed)} failed")
+            for text in failed[:5]:
+                failures[f"{label}: {_kind(text)}"] += 1
+                print(f"\n{label} failure: {text}", flush=True)
+
     if failures:
         print("\nfailures by kind:")
         for k, v in failures.most_common():
@@ -388,13 +411,13 @@ def main(argv: list[str] | None = None) -> int:
             if cats:
                 shrink_boundary(n, modes, args.seed, label, failed_features[label], cats,
                                 deadline)
-    print(f"\nfuzz: {total + btotal + ctotal} programs in {time.time() - start:.0f} s "
-          f"({total} first family, {btotal} boundary family, {ctotal} cache family), "
-          f"{bad + bbad + cbad} failed "
+    print(f"\nfuzz: {total + btotal + ctotal + ttotal} programs in {time.time() - start:.0f} s "
+          f"({total} first family, {btotal} boundary family, {ctotal} cache family, "
+          f"{ttotal} trust families), {bad + bbad + cbad + tbad} failed "
           f"({bbad} boundary: {sum(bcounts[f'{l}: silent mismatch'] for l, _, _ in bruns)} "
           f"silent mismatches, {sum(bcounts[f'{l}: other failure'] for l, _, _ in bruns)} "
           f"other failures; {cbad} cache)")
-    return 1 if bad or bbad or cbad else 0
+    return 1 if bad or bbad or cbad or tbad else 0
 
 
 if __name__ == "__main__":
