@@ -226,3 +226,17 @@ def test_blocks_share_a_group_only_on_a_proven_identity():
     twins = [sc.sac_region(closure_over(v), name=f"c{i}")(Block())
              for i, v in enumerate((True, False))]
     assert len({m._sac_regions[0].frame.slot.token for m in twins}) == 2  # two objects
+
+
+def test_a_name_reading_policy_compiled_whole_compiles_once(capture):
+    model = Stack(4)
+    sc.apply_regions(model, _even_layers_hooked_via_vars, where=Block)
+    x = torch.randn(8, 16)
+    eager = _grads(model, x)
+    compiled = torch.compile(model, backend=capture.backend())
+    for _ in range(2):                                       # the next step: no recompile
+        got = _grads(compiled, x)
+        assert _max_rel(got, eager) <= 1e-5
+    assert len(capture.reports) == 1                         # each block by its own name
+    hooked = {r.region for r in capture.report.saved if "SaveWithHooks" in r.reason}
+    assert hooked == {"layers.0", "layers.2"}

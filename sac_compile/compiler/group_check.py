@@ -26,10 +26,13 @@ __all__ = ["check_group", "answers_of"]
 Ask = tuple[Any, tuple, dict, Any, tuple[str, ...], int]
 
 
-def check_group(group: RegionGroup, traced: str, asks: list[Ask]) -> list[str]:
+def check_group(group: RegionGroup, traced: str, asks: list[Ask],
+                skip: frozenset[str] = frozenset()) -> list[str]:
     """Regroup ``group``'s members by what its policy answers to ``asks`` (the ops of the
-    region just traced under member ``traced``). Returns the names that moved."""
-    members = group.members
+    region just traced under member ``traced``). ``skip``: members traced in the same graph,
+    each under its own name (a model compiled whole), which need no check. Returns the
+    names that moved."""
+    members = [name for name in group.members if name not in skip or name == traced]
     if len(set(members)) < 2 or not asks:
         return []
     answers = {name: answers_of(group.policy, name, asks)

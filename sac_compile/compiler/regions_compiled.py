@@ -74,10 +74,11 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
 def name_regions(gm: torch.fx.GraphModule) -> int:
     """Give each region of Dynamo's graph ``gm`` its own name: regions of one group (the
     blocks of a model compiled whole) share a token, so the ``context_fn`` torch will call
-    becomes ``partial(region_contexts, token, name)``, the name read from the checkpoint
-    node's module stack (:func:`sac_compile.region_groups.name_in_graph`). The graph's
-    guards are already built: the name is data here. Returns how many were renamed."""
-    renamed = 0
+    becomes ``partial(region_contexts, token, name, together)``, the name read from the
+    checkpoint node's module stack (:func:`sac_compile.region_groups.name_in_graph`),
+    ``together`` the names of the group's members in this graph. The graph's guards are
+    already built: the name is data here. Returns how many were renamed."""
+    found: list[tuple[Any, str, str]] = []  # (the body, its token, its member's name)
     for owner in gm.modules():
         if not isinstance(owner, torch.fx.GraphModule):
             continue
@@ -86,12 +87,20 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
             context_fn = graph_meta.checkpoint_context_fn(body)
             if context_fn_kind(context_fn) != "region" or len(context_fn.args) != 1:
                 continue
-            group = group_of_token(context_fn.args[0])
-            name = name_in_graph(group, node)
-            if name != group.name:
-                graph_meta.set_checkpoint_context_fn(body, functools.partial(
-                    region_contexts, context_fn.args[0], name))
-                renamed += 1
+            token = context_fn.args[0]
+            found.append((body, token, name_in_graph(group_of_token(token), node)))
+    # The members of a group in this one graph are each decided under their own name: the
+    # check that a group's members decide alike (.group_check) need not split them.
+    together: dict[str, set[str]] = {}
+    for _, token, name in found:
+        together.setdefault(token, set()).add(name)
+    renamed = 0
+    for body, token, name in found:
+        here = frozenset(together[token])
+        if name != group_of_token(token).name or len(here) > 1:
+            graph_meta.set_checkpoint_context_fn(body, functools.partial(
+                region_contexts, token, name, here))
+            renamed += 1
     return renamed
 
 

@@ -90,10 +90,12 @@ class SACTaggingMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, frame: RegionFrame, group: RegionGroup | None = None) -> None:
+    def __init__(self, frame: RegionFrame, group: RegionGroup | None = None,
+                 together: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.frame = frame
         self.group = group  # the regions that share this graph (None: a checkpoint() call)
+        self.together = together  # the group's members traced in this graph, by name
         self.region_id = next(_region_ids)
         self.ac_graph_id: int | None = None  # set by torch's tag_activation_checkpoint
         # The ops this region call decided, kept by the outermost of our active modes for
@@ -132,7 +134,7 @@ class SACTaggingMode(TorchDispatchMode):
                 warn_inert_policies(decided)
             asks, self.asks = self.asks, []
             if exc[0] is None and self.group is not None:
-                check_group(self.group, self.frame.name, asks)
+                check_group(self.group, self.frame.name, asks, skip=self.together)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
@@ -248,18 +250,21 @@ class NoOpMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def region_contexts(token: str, name: str | None = None) -> Any:
+def region_contexts(token: str, name: str | None = None,
+                    together: frozenset[str] = frozenset()) -> Any:
     """``context_fn`` of a region under compile (``functools.partial(region_contexts,
     token)``): the contexts of :func:`frame_contexts` for the region's group
     (:mod:`sac_compile.region_groups`), its policy asked under the group's name, or under
-    ``name`` where our backend found which member of the group the region is."""
+    ``name`` where our backend found which member of the group the region is; ``together``:
+    the members in the same graph, each decided under its own name."""
     group = group_of_token(token)
     return frame_contexts(RegionFrame(name or group.name, group.policy, budget=group.budget),
-                          group.allow, group)
+                          group.allow, group, together)
 
 
 def frame_contexts(frame: RegionFrame, allow_cache_entry_mutation: bool = False,
-                   group: RegionGroup | None = None) -> Any:
+                   group: RegionGroup | None = None,
+                   together: frozenset[str] = frozenset()) -> Any:
     """The forward and recompute contexts of a region call under compile.
 
     While AOTAutograd traces: the tagging mode (and, once per region, a warning when the
@@ -275,7 +280,7 @@ def frame_contexts(frame: RegionFrame, allow_cache_entry_mutation: bool = False,
         return _EagerRegion(frame, allow_cache_entry_mutation), contextlib.nullcontext()
     if _joint_tracing() and not partitioned_by_us():
         _warn_foreign_partitioner(frame.name)
-    return SACTaggingMode(frame, group), NoOpMode()
+    return SACTaggingMode(frame, group, together), NoOpMode()
 
 
 def _runs_eagerly() -> bool:
