@@ -136,9 +136,9 @@ def test_the_budget_is_part_of_a_regions_cache_key():
     from sac_compile.budgets import ModelBudget, RegionBudget, budget_cache_text
     from sac_compile.compiler.cache_keys import region_cache_hash
     texts = [budget_cache_text(RegionBudget(b)) for b in (0.5, 0.3, 4096)]
-    assert len({region_cache_hash("region", "b", POLICY, False, False, t) for t in texts}) == 3
-    assert region_cache_hash("region", "b", POLICY, False, False, "none") == \
-        region_cache_hash("region", "b", POLICY, False, False)   # no budget: as before
+    assert len({region_cache_hash("region", "b", POLICY, False, t) for t in texts}) == 3
+    assert region_cache_hash("region", "b", POLICY, False, "none") == \
+        region_cache_hash("region", "b", POLICY, False)          # no budget: as before
     two = ModelBudget(BUDGET, ("a", "b"), ("k1", "k2"))
     assert budget_cache_text(RegionBudget(BUDGET, two, "k1")) is None
     assert "whole graph" in budget_cache_text(RegionBudget(BUDGET, two, "k1"), whole=True)
