@@ -86,8 +86,8 @@ def _exact_where_read_outside(hooked: fx.Node, dec: Decision, backward: set[fx.N
     changed = 0
     for value in escaping:
         own = graph_meta.decision(value)
-        if own is not None and own.saves and own.hooks is None and not own.offloads:
-            continue
+        if own is not None and own.policy is P.MUST_SAVE and own.hooks is None:
+            continue  # (a PREFER_SAVE the cut may still recompute from the hooked value)
         write_decision(value, Decision(P.MUST_SAVE, region=graph_meta.region(value),
                                        source="region storage"),
                        graph_meta.region_path(value))
