@@ -180,7 +180,10 @@ SCRIPT = textwrap.dedent("""
     aten = torch.ops.aten
     policy = {"mm": [aten.mm.default], "mm_relu": [aten.mm.default, aten.relu.default],
               "lambda": lambda ctx, op, *a, **k: None,
-              "environ": lambda ctx, op, *a, **k: (os.environ.get("SAC_X"), None)[1]}[sys.argv[1]]
+              "environ": lambda ctx, op, *a, **k: (os.environ.get("SAC_X"), None)[1],
+              "declared": lambda ctx, op, *a, **k: None}[sys.argv[1]]
+    if sys.argv[1] == "declared":
+        policy.cache_hash = "nothing-saved-v1"   # the user names what it decides
 
     @sc.sac_region(policy, name="Block")
     def block(x, w):
@@ -209,7 +212,11 @@ def test_warm_compile_hits_the_caches_and_a_changed_policy_misses(tmp_path):
     assert warm["hit"] == 1 and warm["miss"] == 0 and warm["bypass"] == 0, warm
     changed = _compile_in_a_fresh_process("mm_relu", tmp_path)
     assert changed["miss"] == 1 and changed["hit"] == 0, changed
-    keyed = _compile_in_a_fresh_process("lambda", tmp_path)   # code only: a key of its own
-    assert keyed["miss"] == 1 and keyed["hit"] == 0 and keyed["bypass"] == 0, keyed
-    unnamed = _compile_in_a_fresh_process("environ", tmp_path)  # os.environ: no key
-    assert unnamed["bypass"] == 1 and unnamed["hit"] == 0, unnamed
+    # a user's function has no proven identity, however plain its code: bypassed
+    for kind in ("lambda", "environ"):
+        unnamed = _compile_in_a_fresh_process(kind, tmp_path)
+        assert unnamed["bypass"] == 1 and unnamed["hit"] == 0, (kind, unnamed)
+    declared = _compile_in_a_fresh_process("declared", tmp_path)   # cache_hash: keyed
+    assert declared["miss"] == 1 and declared["bypass"] == 0, declared
+    again = _compile_in_a_fresh_process("declared", tmp_path)
+    assert again["hit"] == 1 and again["bypass"] == 0, again
