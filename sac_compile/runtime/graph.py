@@ -43,7 +43,7 @@ class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
     __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves", "effect",
-                 "process_group", "is_view")
+                 "process_group", "is_view", "plain")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -74,6 +74,8 @@ class OpInfo:
         # A view op (an output aliasing an input, not written): autograd gives its output
         # the base's version counter only after the dispatch mode returns.
         self.is_view = is_view_op(op)
+        # Writes nothing, draws no random numbers, is no collective: the recorder's fast path.
+        self.plain = not self.mutated and not self.random and self.effect is None
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -155,8 +157,8 @@ class OpNode:
                  "names", "tag", "uses", "spent", "kept", "kept_versions", "via_hooks",
                  "__weakref__")
 
-    def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
-                 ctx: ReplayContext, seq: int) -> None:
+    def __init__(self, op: Any, args: tuple, kwargs: dict, deps: list, frames: tuple,
+                 ctx: ReplayContext, seq: int, outs: list | None = None) -> None:
         self.op = op
         self.args = args
         self.kwargs = kwargs
@@ -171,7 +173,7 @@ class OpNode:
         self.versions: list[int | None] | None = None
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output.
-        self.outs: list[tuple[Any, int, Any, Any] | None] = []
+        self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
         self.rng: Any = None                    # (generator, state) for random ops
         self.packed: list[Any] | None = None    # SaveWithHooks / offload storage
         self.mutated_by: str | None = None      # op that mutated a saved output in forward
