@@ -40,8 +40,8 @@ class RegionRecorder(TorchDispatchMode):
         self.frames = (frame,)
         self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
                                  tuple(active_stats()))
-        # id(tensor) -> (weakref(tensor), node, output index, expected version)
-        self.producers: dict[int, tuple[Any, OpNode, int, int]] = {}
+        # id(tensor) -> its producer (its weakref and version: node.outs[index])
+        self.producers: dict[int, NodeOutput] = {}
         self.leaves: dict[int, tuple[Any, LeafRef]] = {}
         # Which leaves and saved values live on a storage, for copy-on-write before an
         # in-place op. Built at the region's first mutation: most regions never mutate.
@@ -102,9 +102,11 @@ class RegionRecorder(TorchDispatchMode):
     # -- references ---------------------------------------------------------------
 
     def lookup(self, t: torch.Tensor) -> tuple[OpNode, int] | None:
-        entry = self.producers.get(id(t))
-        if entry is not None and entry[0]() is t and t._version == entry[3]:
-            return entry[1], entry[2]
+        ref = self.producers.get(id(t))
+        if ref is not None:
+            facts = ref.node.outs[ref.index]
+            if facts[0]() is t and t._version == facts[1]:
+                return ref.node, ref.index
         return None
 
     def leaf(self, t: torch.Tensor) -> LeafRef:
@@ -117,18 +119,21 @@ class RegionRecorder(TorchDispatchMode):
             self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
         return ref
 
-    def _ref(self, t: torch.Tensor, deps: list[OpNode]) -> Any:
-        found = self.lookup(t)
-        if found is None:
-            return self.leaf(t)
-        deps.append(found[0])
-        return NodeOutput(found[0], found[1])
+    def _ref(self, t: torch.Tensor) -> Any:
+        """How a recorded argument refers to tensor ``t``: the output of the node that
+        produced it (one shared, never-written ``NodeOutput`` per output), or a leaf."""
+        ref = self.producers.get(id(t))
+        if ref is not None:
+            facts = ref.node.outs[ref.index]
+            if facts[0]() is t and t._version == facts[1]:
+                return ref
+        return self.leaf(t)
 
-    def _convert(self, a: Any, deps: list[OpNode]) -> Any:
+    def _convert(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            return self._ref(a, deps)
+            return self._ref(a)
         if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
-            converted = [self._ref(x, deps) if isinstance(x, torch.Tensor) else x for x in a]
+            converted = [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
             return converted if isinstance(a, list) else tuple(converted)
         return a
 
@@ -150,35 +155,36 @@ class RegionRecorder(TorchDispatchMode):
         if kwargs or not info.plain or self.budget_run is not None:
             return self._record(func, info, args, kwargs or {})
         # The common op, inlined: positional arguments only, writes nothing, draws no
-        # random numbers, no collective, no memory budget. Per op: one node, one reference
-        # per tensor argument, the output's facts; no pytree walk, no other allocation.
+        # random numbers, no collective, no memory budget. No pytree walk; what it keeps
+        # per op is the node, its argument tuple, one NodeOutput per output (shared by the
+        # ops that read it) and the output's facts.
         producers = self.producers
-        deps: list[OpNode] = []
         rec = []
         for a in args:
             cls = type(a)
             if cls is Tensor:
-                entry = producers.get(id(a))
-                if entry is not None and entry[0]() is a and a._version == entry[3]:
-                    deps.append(entry[1])
-                    rec.append(NodeOutput(entry[1], entry[2]))
-                else:
-                    rec.append(self.leaf(a))
+                ref = producers.get(id(a))
+                if ref is not None:
+                    facts = ref.node.outs[ref.index]
+                    if facts[0]() is a and a._version == facts[1]:
+                        rec.append(ref)
+                        continue
+                rec.append(self.leaf(a))
             elif cls in _ATOMS:
                 rec.append(a)
             else:
-                rec.append(self._convert(a, deps))
+                rec.append(self._convert(a))
         out = info.call(*args)
         if type(out) is not Tensor:
-            node = self._node(func, tuple(rec), _NO_KWARGS, deps)
-            return self._add(node, info, args, _NO_KWARGS, out, ())
+            return self._add(self._node(func, tuple(rec), _NO_KWARGS), info, args, _NO_KWARGS,
+                             out, ())
         wr = _weakref(out)
-        version = out._version
         seq = self.nodes_recorded
         self.nodes_recorded = seq + 1
-        node = OpNode(func, tuple(rec), _NO_KWARGS, deps, self._frames, self.ctx, seq,
-                      [(wr, version, out.shape, out.dtype)])
-        producers[id(out)] = (wr, node, 0, version)
+        # The shape as a plain tuple: the collector stops tracking a tuple of ints.
+        node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
+                      [(wr, out._version, tuple(out.shape), out.dtype)])
+        producers[id(out)] = NodeOutput(node, 0)
         fixed = self.fixed
         decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)
         if decision.saves:
@@ -188,25 +194,22 @@ class RegionRecorder(TorchDispatchMode):
             self.decisions.append(node)
         return out
 
-    def _node(self, func: Any, rec_args: tuple, rec_kwargs: dict, deps: list) -> OpNode:
-        node = OpNode(func, rec_args, rec_kwargs, deps, self._frames, self.ctx,
-                      self.nodes_recorded)
+    def _node(self, func: Any, rec_args: tuple, rec_kwargs: dict) -> OpNode:
+        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded)
         self.nodes_recorded += 1
         return node
 
     def _record(self, func: Any, info: Any, args: tuple, kwargs: dict) -> Any:
         """Any op: keyword arguments, in-place and random ops, collectives, budgets."""
-        deps: list[OpNode] = []
-        rec_args = tuple([self._convert(a, deps) for a in args])
-        rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()} if kwargs \
-            else _NO_KWARGS
+        rec_args = tuple([self._convert(a) for a in args])
+        rec_kwargs = {k: self._convert(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         mutated = mutated_tensors(args, kwargs, func, info) if info.mutated else ()
         prior = None
         for m in mutated:
             before_mutation(self, m, func)
         if mutated and not info.bumps_version:
             prior = [self.lookup(m) for m in mutated]
-        node = self._node(func, rec_args, rec_kwargs, deps)
+        node = self._node(func, rec_args, rec_kwargs)
         if info.random:
             node.rng = capture_rng(args, kwargs)
         out = info.call(*args, **kwargs)
@@ -221,10 +224,8 @@ class RegionRecorder(TorchDispatchMode):
         outs = node.outs
         bump = 1 if info.bumps_version and not info.bump_ourselves else 0
         if type(out) is Tensor and not mutated:
-            wr = _weakref(out)
-            version = out._version
-            producers[id(out)] = (wr, node, 0, version)
-            outs.append((wr, version, out.shape, out.dtype))
+            outs.append((_weakref(out), out._version, tuple(out.shape), out.dtype))
+            producers[id(out)] = NodeOutput(node, 0)
         else:
             outputs = flat_outputs(out)
             # Arguments mutated but not returned are outputs too: later ops read them.
@@ -235,9 +236,8 @@ class RegionRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     # An in-place op's version bump happens after the mode returns.
                     version = t._version + (bump if any(m is t for m in mutated) else 0)
-                    wr = _weakref(t)
-                    producers[id(t)] = (wr, node, i, version)
-                    outs.append((wr, version, t.shape, t.dtype))
+                    outs.append((_weakref(t), version, tuple(t.shape), t.dtype))
+                    producers[id(t)] = NodeOutput(node, i)
                 else:
                     outs.append(None)
             if prior is not None:
@@ -378,7 +378,6 @@ class RegionRecorder(TorchDispatchMode):
             records.extend(saved_records(node, seen))
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
-                node.deps = ()
             store_saved(node)
         if self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)

@@ -164,7 +164,6 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
         # The node never needs its inputs again: dropping them frees ancestors whose
         # last consumer this was.
         node.args = node.kwargs = None
-        node.deps = ()
     if done:
         _count_down(done, target)
     return target.value
