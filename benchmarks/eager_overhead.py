@@ -7,10 +7,12 @@ in this one run, strategies interleaved round-robin, medians reported as ratios.
    A: ``x = x*1.0001 + 0.0001`` (nothing needs recomputing), B: ``x = (x*1.0001).sin()``
    (every ``sin`` input is recomputed). Forward+backward timed; overhead per op =
    median over rounds of (t_strategy - t_noAC) / (ATen ops in the chain's forward).
-   Target: ours <= 0.5x torch's.
+   Targets (issue 28), against the empty dispatch mode (the floor of any dispatch-mode
+   design): ours <= 1.25x on A, <= 2x on B; ours/empty mode is the median of the per-round
+   ratios.
 2. The 8-layer MLP fixture (64x1024, 1024->4096->1024, LayerNorm) with every block
    checkpointed saving matmuls (torch: mm/addmm/bmm/baddbmm and SDPA ops; ours
-   ``policy="save_matmuls"``): step time / no-AC (target <= 1.05) and activation bytes kept
+   ``policy="save_matmuls"``): step time / no-AC (target <= 1.03) and activation bytes kept
    (target <= torch SAC's), measured as in ``fixtures.measure.measure_ours``.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import os
 import platform
+import statistics
 import sys
 import time
 from functools import partial
@@ -46,12 +49,12 @@ except Exception as e:  # the benchmark still measures the upstream side
     OURS_ERROR = f"{type(e).__name__}: {e}"
 
 N_STEPS = 1000
-CHAIN_TARGET = 0.5     # ours per-op overhead / torch SAC's
-MLP_TIME_TARGET = 1.05  # ours step time / no-AC
+CHAIN_TARGETS = (1.25, 2.0)  # ours per-op overhead / the empty mode's, chains A and B
+MLP_TIME_TARGET = 1.03  # ours step time / no-AC
 
 #: Column names of the rows bench_chains and bench_mlp return.
 CHAIN_HEADER = ["chain", "no-AC ms", "empty mode us/op", "torch SAC us/op", "ours us/op",
-                "ours/torch", "target", "result"]
+                "ours/empty mode", "ours/torch", "target", "result"]
 MLP_TIME_HEADER = ["strategy", "step ms", "vs no AC", "target", "result"]
 MLP_BYTES_HEADER = ["strategy", "activations kept", "policy-saved", "recomputed ops",
                     "max |grad diff|", "target", "result"]
@@ -119,7 +122,8 @@ def bench_chains(reps: int, device: str = "cpu") -> list[list[str]]:
     rows = []
     x = torch.randn(16, device=device, requires_grad=True)
     torch_ctx = partial(create_selective_checkpoint_contexts, _torch_recompute_all)
-    for label, chain in (("A: x*1.0001+0.0001", chain_a), ("B: (x*1.0001).sin()", chain_b)):
+    for (label, chain), target in zip((("A: x*1.0001+0.0001", chain_a),
+                                       ("B: (x*1.0001).sin()", chain_b)), CHAIN_TARGETS):
         n_ops = sum(count_aten_ops(chain, x).values())
         fns = {
             "noac": lambda: chain(x).sum().backward(),
@@ -136,18 +140,27 @@ def bench_chains(reps: int, device: str = "cpu") -> list[list[str]]:
         per_op = {k: paired(timings, k, "noac", lambda a, b: a - b) / n_ops
                   for k in fns if k != "noac"}
         ratio = per_op["ours"] / per_op["torch"] if "ours" in per_op else None
+        floor = _paired_overhead_ratio(timings, "ours") if "ours" in per_op else None
         rows.append([
             f"{label} x{N_STEPS} ({n_ops} ops)",
             f"{t['noac'] * 1e3:.1f}",
             f"{per_op['floor'] * 1e6:.2f}",
             f"{per_op['torch'] * 1e6:.2f}",
             f"{per_op['ours'] * 1e6:.2f}" if "ours" in per_op else "n/a",
+            f"{floor:.2f}" if floor is not None else "n/a",
             f"{ratio:.2f}" if ratio is not None else "n/a",
-            f"<= {CHAIN_TARGET}",
-            _verdict(None if ratio is None else ratio <= CHAIN_TARGET),
+            f"<= {target}",
+            _verdict(None if floor is None else floor <= target),
         ])
         x.grad = None
     return rows
+
+
+def _paired_overhead_ratio(timings, key: str) -> float:
+    """Median over rounds of (t_key - t_noAC) / (t_empty mode - t_noAC): the rounds run the
+    strategies back to back, so a slow spell on a shared machine cancels out of each ratio."""
+    rounds = zip(timings[key].samples, timings["floor"].samples, timings["noac"].samples)
+    return statistics.median([(a - n) / (f - n) for a, f, n in rounds if f > n])
 
 
 def bench_mlp(reps: int, budget_s: float, device: str = "cpu",
@@ -239,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
           "forward+backward")
     print(_table(bench_chains(args.chain_reps, args.device), CHAIN_HEADER))
     print("empty mode: a dispatch mode that only runs each op, the floor under both torch SAC "
-          "and ours;\nthe ours/torch target cannot be met where the floor alone exceeds half "
-          "of torch SAC's overhead.")
+          "and ours;\nours/empty mode: median of the per-round ratios of the overheads.")
 
     print("\n2. 8-layer MLP [64x1024, 1024->4096->1024, LayerNorm], every block checkpointed, "
           "save matmuls")

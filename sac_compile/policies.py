@@ -16,8 +16,8 @@ import torch
 
 from .policy import (PRESETS, MUST_CPU_OFFLOAD, MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD,
                      PREFER_RECOMPUTE, PREFER_SAVE, CheckpointPolicy, OpSetPolicy, PolicyFn,
-                     PolicyLike, PolicyValue, SaveWithHooks, coerce_opinion, expand_ops,
-                     normalize_policy, op_names, region_of)
+                     PolicyLike, PolicyValue, SaveWithHooks, answers_by_op, coerce_opinion,
+                     expand_ops, normalize_policy, op_names, region_of)
 from .torch_internals import OpOverload
 
 aten = torch.ops.aten
@@ -38,6 +38,9 @@ class RecomputeAll(PolicyValue):
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return PREFER_RECOMPUTE
 
+    def by_op(self) -> bool:
+        return True
+
     def __repr__(self) -> str:
         return "recompute_all"
 
@@ -51,6 +54,9 @@ class SaveAll(PolicyValue):
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return PREFER_SAVE
+
+    def by_op(self) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return "save_all"
@@ -121,6 +127,9 @@ class SaveMatmuls(PolicyValue):
                 op.name() in CUSTOM_MATMUL_OPS
         return MUST_SAVE if is_matmul else None
 
+    def by_op(self) -> bool:
+        return True
+
     def __repr__(self) -> str:
         return "save_matmuls"
 
@@ -178,6 +187,9 @@ class Compose(PolicyValue):
                 return opinion
         return None
 
+    def by_op(self) -> bool:
+        return all(answers_by_op(p) for p in self.policies)
+
     def __repr__(self) -> str:
         return f"compose({', '.join(map(repr, self.policies))})"
 
@@ -214,6 +226,9 @@ class Relaxed(PolicyValue):
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return self._relax(coerce_opinion(self.policy(ctx, op, *args, **kwargs), op,
                                           region_of(ctx)))
+
+    def by_op(self) -> bool:
+        return answers_by_op(self.policy)
 
     def _relax(self, opinion: Any) -> Any:
         if isinstance(opinion, CheckpointPolicy):

@@ -162,12 +162,30 @@ class PolicyValue:
     holds, as JAX's ``SaveOnlyTheseNames`` does. That value is what a compiled region's
     graph and the compile caches are keyed by (:mod:`.policy_identity`).
 
-    ``constant``: the same opinion for every op, or None (lets the runtime skip asking)."""
+    ``constant``: the same opinion for every op, or None (lets the runtime skip asking).
+    ``by_op()``: whether the answer depends on the op alone (see :func:`answers_by_op`)."""
 
     constant: Opinion | None = None
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def by_op(self) -> bool:
+        return False
+
+
+def answers_by_op(policy: Any) -> bool:
+    """Whether ``policy`` is one of our values whose answer depends on the op alone (not on
+    its arguments, its output, the region or labels), so that the eager runtime may ask it
+    once per op overload and stack of regions. Trusted only where the class that defines
+    the policy's ``__call__`` also declares ``by_op``: a subclass that overrides
+    ``__call__`` (it may read anything), and any plain function, is asked for every op."""
+    if not isinstance(policy, PolicyValue):
+        return False
+    for klass in type(policy).__mro__:
+        if "__call__" in klass.__dict__:
+            return "by_op" in klass.__dict__ and policy.by_op()
+    return False
 
 
 class OpSetPolicy(PolicyValue):
@@ -181,6 +199,9 @@ class OpSetPolicy(PolicyValue):
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         return self.opinion if op in self.op_set else None
+
+    def by_op(self) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return f"{self.label}({', '.join(self.ops)})"
@@ -209,6 +230,9 @@ class SaveListedOps(OpSetPolicy):
 
     def __call__(self, ctx: PolicyContext, op: Any, *args: Any, **kwargs: Any) -> Any:
         return MUST_SAVE if op in self.op_set else PREFER_RECOMPUTE
+
+    def by_op(self) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return f"[{', '.join(self.ops)}]"
@@ -337,54 +361,6 @@ def _ask(frame: RegionFrame, ctx: PolicyContext, op: Any, args: tuple, kwargs: d
             f"the policy of region {frame.name!r} raised {type(e).__name__}: {e} while "
             f"deciding op {op_name(op)}; fix the policy or return None for ops it does "
             f"not know") from e
-
-
-Decider = Callable[[Any, tuple, dict, Any], Decision]
-_CACHED_TYPES = frozenset({bool, CheckpointPolicy, SaveWithHooks})
-
-
-def make_decider(frames: Sequence[RegionFrame]) -> Decider:
-    """``decide`` specialised to one stack of regions, for the per-op hot path.
-
-    Gives the same decisions as :func:`decide`; it only avoids repeated work: constant
-    presets are resolved once, and a single region's answers map to cached decisions.
-    """
-    frames = tuple(frames)
-    constants = [getattr(f.policy, "constant", None) for f in frames]
-    if frames and all(c is not None for c in constants):
-        fixed = resolve_decision("<any op>", [Vote(c, f.name, "policy")
-                                              for c, f in zip(constants, frames)])
-        return lambda op, args, kwargs, output: fixed
-    if len(frames) != 1:
-        return lambda op, args, kwargs, output: decide(frames, op, args, kwargs, output)
-    frame = frames[0]
-    ctx = PolicyContext(region=frame.name, region_path=(frame.name,))
-    # Keyed by the identity of the returned value, never by equality: 1 == True and
-    # hash(1) == hash(True), and a cache keyed by value would accept 1 after a True (and
-    # the enum's Python-level __hash__ is slow). The entry holds the value, so its id is
-    # not reused while cached; only values that recur as the same object are cached.
-    cache: dict[int, tuple[Any, Decision]] = {}
-
-    def decide_single(op: Any, args: tuple, kwargs: dict, output: Any) -> Decision:
-        # One context object serves every call: a policy sees it valid during its call.
-        # It must not keep the output alive afterwards (autograd keeps the hooks, hence
-        # the recorder and this closure, until the graph is freed).
-        ctx.op_output = output
-        try:
-            raw = _ask(frame, ctx, op, args, kwargs)
-        finally:
-            ctx.op_output = None
-        hit = cache.get(id(raw))
-        if hit is not None and hit[0] is raw:
-            return hit[1]
-        opinion = coerce_opinion(raw, op, frame.name)
-        decision = resolve_decision(op, [Vote(opinion, frame.name, "policy")]
-                                    if opinion is not None else [])
-        if raw is None or raw.__class__ in _CACHED_TYPES:
-            cache[id(raw)] = (raw, decision)
-        return decision
-
-    return decide_single
 
 
 def decide(frames: Sequence[RegionFrame], op: Any, args: tuple, kwargs: dict, output: Any, *,

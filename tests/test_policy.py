@@ -9,7 +9,8 @@ from fixtures.capture import Captured
 import sac_compile as sc
 from sac_compile import CheckpointError, CheckpointPolicy as P, SaveWithHooks, policies
 from sac_compile.runtime import collect_stats
-from sac_compile.policy import (RegionFrame, Vote, make_decider, decide, normalize_policy,
+from sac_compile.runtime.decider import make_decider
+from sac_compile.policy import (RegionFrame, Vote, decide, normalize_policy,
                                 resolve_decision)
 
 aten = torch.ops.aten

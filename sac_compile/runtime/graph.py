@@ -39,11 +39,14 @@ for _name in ("rrelu_with_noise",):
         _NO_VERSION_BUMP.update(getattr(_packet, o) for o in _packet.overloads())
 
 
+_NO_NAMES: frozenset[str] = frozenset()
+
+
 class OpInfo:
     """Static facts about an op, computed once per OpOverload."""
 
     __slots__ = ("op", "call", "random", "mutated", "bumps_version", "bump_ourselves", "effect",
-                 "process_group", "is_view")
+                 "process_group", "is_view", "plain")
 
     def __init__(self, op: Any) -> None:
         self.op = op  # keeps the op alive, so its id (the OP_INFO key) is never reused
@@ -74,6 +77,8 @@ class OpInfo:
         # A view op (an output aliasing an input, not written): autograd gives its output
         # the base's version counter only after the dispatch mode returns.
         self.is_view = is_view_op(op)
+        # Writes nothing, draws no random numbers, is no collective: the recorder's fast path.
+        self.plain = not self.mutated and not self.random and self.effect is None
 
 
 # Keyed by id(op): an OpOverload's __hash__ runs Python code, and this is looked up for
@@ -150,17 +155,21 @@ class NodeOutput:
 
 
 class OpNode:
-    __slots__ = ("op", "args", "kwargs", "deps", "decision", "frames", "ctx", "value",
+    __slots__ = ("op", "args", "kwargs", "decision", "frames", "ctx", "value",
                  "versions", "outs", "rng", "packed", "mutated_by", "seq",
                  "names", "tag", "uses", "spent", "kept", "kept_versions", "via_hooks",
                  "__weakref__")
 
-    def __init__(self, op: Any, args: tuple, kwargs: dict, deps: tuple, frames: tuple,
-                 ctx: ReplayContext, seq: int) -> None:
+    # Every object a node keeps is one more for Python's cyclic collector to walk until
+    # backward frees it (a full collection walks every live object: its cost per recorded
+    # op was larger than the recording's own). So a node keeps little: the nodes it reads
+    # are found from its arguments (``deps``), not kept in a list of their own.
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, frames: tuple,
+                 ctx: ReplayContext, seq: int, outs: list | None = None) -> None:
         self.op = op
-        self.args = args
+        self.args = args   # None once the node can never be recomputed again
         self.kwargs = kwargs
-        self.deps = deps
         self.frames = frames
         self.ctx = ctx
         self.seq = seq
@@ -171,11 +180,11 @@ class OpNode:
         self.versions: list[int | None] | None = None
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output.
-        self.outs: list[tuple[Any, int, Any, Any] | None] = []
+        self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
         self.rng: Any = None                    # (generator, state) for random ops
         self.packed: list[Any] | None = None    # SaveWithHooks / offload storage
         self.mutated_by: str | None = None      # op that mutated a saved output in forward
-        self.names: frozenset[str] = frozenset()
+        self.names: frozenset[str] = _NO_NAMES
         self.tag: Opinion | None = None
         # Progressive release (compiled autograd holds every handle until its graph
         # returns): ``uses`` is how often one backward reads this node (its handles'
@@ -190,6 +199,26 @@ class OpNode:
         # Whether recomputing this node reads a value restored by SaveWithHooks (None until
         # a backward asks; replay.py): then a live forward output is not reused for it.
         self.via_hooks: bool | None = None
+
+    @property
+    def deps(self) -> list[OpNode]:
+        """The nodes whose outputs this node's recorded arguments read (none once dropped)."""
+        deps: list[OpNode] = []
+        if self.args is None:
+            return deps
+        for a in self.args:
+            cls = type(a)
+            if cls is NodeOutput:
+                deps.append(a.node)
+            elif (cls is list or cls is tuple) and a:
+                deps.extend(x.node for x in a if type(x) is NodeOutput)
+        if self.kwargs:
+            for v in self.kwargs.values():
+                if type(v) is NodeOutput:
+                    deps.append(v.node)
+                elif isinstance(v, (list, tuple)):
+                    deps.extend(x.node for x in v if type(x) is NodeOutput)
+        return deps
 
     @property
     def region(self) -> str:

@@ -9,15 +9,27 @@ import torch
 
 from ..inert_policies import DecidedOp, warn_inert_policies
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
-                      make_decider, op_name)
+                      op_name)
 from ..effects import kept_decision
 from ..tensor_memory import storage_key
 from ..torch_internals import (ForceDispatchKeyGuard, TorchDispatchMode,
                                dispatch_tls_local_exclude_set, dispatch_tls_local_include_set)
+from .decider import fixed_decision, make_decider
 from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, ReplayContext,
                     flat_outputs, forward_args, mutated_tensors, needs_detach, op_info)
+from .mutations import before_mutation, follow_unversioned_write, index_saved
 from .stats import SavedValueRecord, active_stats
 from .store import capture_rng, needed_nodes, saved_records, store_saved
+
+Tensor = torch.Tensor
+_weakref = weakref.ref
+_inference_mode = torch.is_inference_mode_enabled
+_OP_INFO_get = OP_INFO.get
+# Argument types recorded as they are (no tensor inside): the fast path's common scalars.
+_ATOMS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device,
+                    torch.memory_format, torch.layout})
+# The recorded keyword arguments of an op called without any; never written to.
+_NO_KWARGS: dict[str, Any] = {}
 
 
 class RegionRecorder(TorchDispatchMode):
@@ -28,8 +40,8 @@ class RegionRecorder(TorchDispatchMode):
         self.frames = (frame,)
         self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
                                  tuple(active_stats()))
-        # id(tensor) -> (weakref(tensor), node, output index, expected version)
-        self.producers: dict[int, tuple[Any, OpNode, int, int]] = {}
+        # id(tensor) -> its producer (its weakref and version: node.outs[index])
+        self.producers: dict[int, NodeOutput] = {}
         self.leaves: dict[int, tuple[Any, LeafRef]] = {}
         # Which leaves and saved values live on a storage, for copy-on-write before an
         # in-place op. Built at the region's first mutation: most regions never mutate.
@@ -85,13 +97,16 @@ class RegionRecorder(TorchDispatchMode):
     def frames(self, frames: tuple[RegionFrame, ...]) -> None:
         self._frames = frames
         self.decider = make_decider(frames)
+        self.fixed = fixed_decision(frames)  # every op's decision, or None: ask the decider
 
     # -- references ---------------------------------------------------------------
 
     def lookup(self, t: torch.Tensor) -> tuple[OpNode, int] | None:
-        entry = self.producers.get(id(t))
-        if entry is not None and entry[0]() is t and t._version == entry[3]:
-            return entry[1], entry[2]
+        ref = self.producers.get(id(t))
+        if ref is not None:
+            facts = ref.node.outs[ref.index]
+            if facts[0]() is t and t._version == facts[1]:
+                return ref.node, ref.index
         return None
 
     def leaf(self, t: torch.Tensor) -> LeafRef:
@@ -104,18 +119,21 @@ class RegionRecorder(TorchDispatchMode):
             self.leaves_by_storage.setdefault(storage_key(t), []).append(ref)
         return ref
 
-    def _ref(self, t: torch.Tensor, deps: list[OpNode]) -> Any:
-        found = self.lookup(t)
-        if found is None:
-            return self.leaf(t)
-        deps.append(found[0])
-        return NodeOutput(found[0], found[1])
+    def _ref(self, t: torch.Tensor) -> Any:
+        """How a recorded argument refers to tensor ``t``: the output of the node that
+        produced it (one shared, never-written ``NodeOutput`` per output), or a leaf."""
+        ref = self.producers.get(id(t))
+        if ref is not None:
+            facts = ref.node.outs[ref.index]
+            if facts[0]() is t and t._version == facts[1]:
+                return ref
+        return self.leaf(t)
 
-    def _convert(self, a: Any, deps: list[OpNode]) -> Any:
+    def _convert(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            return self._ref(a, deps)
+            return self._ref(a)
         if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
-            converted = [self._ref(x, deps) if isinstance(x, torch.Tensor) else x for x in a]
+            converted = [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
             return converted if isinstance(a, list) else tuple(converted)
         return a
 
@@ -129,53 +147,85 @@ class RegionRecorder(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.suspended or torch.is_inference_mode_enabled():
+        if self.suspended or _inference_mode():
             # An inference_mode block inside a region: its outputs can never be saved for
             # backward, so there is nothing to record; later ops read them as leaves.
             return func(*args, **(kwargs or {}))
-        info = OP_INFO.get(id(func)) or op_info(func)
-        deps: list[OpNode] = []
+        info = _OP_INFO_get(id(func)) or op_info(func)
+        if kwargs or not info.plain or self.budget_run is not None:
+            return self._record(func, info, args, kwargs or {})
+        # The common op, inlined: positional arguments only, writes nothing, draws no
+        # random numbers, no collective, no memory budget. No pytree walk; what it keeps
+        # per op is the node, its argument tuple, one NodeOutput per output (shared by the
+        # ops that read it) and the output's facts.
         producers = self.producers
         rec = []
-        for a in args:  # _convert, inlined for the common plain-tensor argument
-            if type(a) is torch.Tensor:
-                entry = producers.get(id(a))
-                if entry is not None and entry[0]() is a and a._version == entry[3]:
-                    deps.append(entry[1])
-                    rec.append(NodeOutput(entry[1], entry[2]))
-                else:
-                    rec.append(self.leaf(a))
+        for a in args:
+            cls = type(a)
+            if cls is Tensor:
+                ref = producers.get(id(a))
+                if ref is not None:
+                    facts = ref.node.outs[ref.index]
+                    if facts[0]() is a and a._version == facts[1]:
+                        rec.append(ref)
+                        continue
+                rec.append(self.leaf(a))
+            elif cls in _ATOMS:
+                rec.append(a)
             else:
-                rec.append(self._convert(a, deps))
-        rec_args = tuple(rec)
-        if kwargs:
-            rec_kwargs = {k: self._convert(v, deps) for k, v in kwargs.items()}
-        else:
-            kwargs = rec_kwargs = {}
+                rec.append(self._convert(a))
+        out = info.call(*args)
+        if type(out) is not Tensor:
+            return self._add(self._node(func, tuple(rec), _NO_KWARGS), info, args, _NO_KWARGS,
+                             out, ())
+        wr = _weakref(out)
+        seq = self.nodes_recorded
+        self.nodes_recorded = seq + 1
+        # The shape as a plain tuple: the collector stops tracking a tuple of ints.
+        node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
+                      [(wr, out._version, tuple(out.shape), out.dtype)])
+        producers[id(out)] = NodeOutput(node, 0)
+        fixed = self.fixed
+        decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)
+        if decision.saves:
+            self._set_decision(node, decision)
+        else:  # _set_decision's path for a first decision that saves nothing
+            node.decision = decision
+            self.decisions.append(node)
+        return out
+
+    def _node(self, func: Any, rec_args: tuple, rec_kwargs: dict) -> OpNode:
+        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded)
+        self.nodes_recorded += 1
+        return node
+
+    def _record(self, func: Any, info: Any, args: tuple, kwargs: dict) -> Any:
+        """Any op: keyword arguments, in-place and random ops, collectives, budgets."""
+        rec_args = tuple([self._convert(a) for a in args])
+        rec_kwargs = {k: self._convert(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         mutated = mutated_tensors(args, kwargs, func, info) if info.mutated else ()
         prior = None
         for m in mutated:
-            self._before_mutation(m, func)
+            before_mutation(self, m, func)
         if mutated and not info.bumps_version:
             prior = [self.lookup(m) for m in mutated]
-
-        node = OpNode(func, rec_args, rec_kwargs, deps, self.frames, self.ctx,
-                      self.nodes_recorded)
-        self.nodes_recorded += 1
+        node = self._node(func, rec_args, rec_kwargs)
         if info.random:
             node.rng = capture_rng(args, kwargs)
-
         out = info.call(*args, **kwargs)
         if info.bump_ourselves:
             torch.autograd.graph.increment_version(list({id(m): m for m in mutated}.values()))
+        return self._add(node, info, args, kwargs, out, mutated, prior)
 
+    def _add(self, node: OpNode, info: Any, args: tuple, kwargs: dict, out: Any,
+             mutated: Sequence[torch.Tensor], prior: list | None = None) -> Any:
+        """Register the op's outputs as produced by ``node``, then decide it."""
+        producers = self.producers
         outs = node.outs
         bump = 1 if info.bumps_version and not info.bump_ourselves else 0
-        if type(out) is torch.Tensor and not mutated:
-            wr = weakref.ref(out)
-            version = out._version
-            producers[id(out)] = (wr, node, 0, version)
-            outs.append((wr, version, out.shape, out.dtype))
+        if type(out) is Tensor and not mutated:
+            outs.append((_weakref(out), out._version, tuple(out.shape), out.dtype))
+            producers[id(out)] = NodeOutput(node, 0)
         else:
             outputs = flat_outputs(out)
             # Arguments mutated but not returned are outputs too: later ops read them.
@@ -186,15 +236,15 @@ class RegionRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     # An in-place op's version bump happens after the mode returns.
                     version = t._version + (bump if any(m is t for m in mutated) else 0)
-                    wr = weakref.ref(t)
-                    producers[id(t)] = (wr, node, i, version)
-                    outs.append((wr, version, t.shape, t.dtype))
+                    outs.append((_weakref(t), version, tuple(t.shape), t.dtype))
+                    producers[id(t)] = NodeOutput(node, i)
                 else:
                     outs.append(None)
             if prior is not None:
-                self._follow_unversioned_write(node, mutated, prior, outputs)
+                follow_unversioned_write(self, node, mutated, prior, outputs)
 
-        decision = self.decider(func, args, kwargs, out)
+        fixed = self.fixed
+        decision = fixed if fixed is not None else self.decider(node.op, args, kwargs, out)
         if info.effect is not None:
             decision = self._effect_rule(node, info, decision)
         if decision.saves:
@@ -225,61 +275,6 @@ class RegionRecorder(TorchDispatchMode):
         self.kept_effects = True
         return kept_decision(info.effect, node.region, decision)
 
-    def _index_storages(self) -> None:
-        self.leaves_by_storage = {}
-        for _, ref in self.leaves.values():
-            self.leaves_by_storage.setdefault(storage_key(ref.value), []).append(ref)
-        self.saved_by_storage = {}
-        for node in self.decisions:
-            self._index_saved(node)
-
-    def _index_saved(self, node: OpNode) -> None:
-        if self.saved_by_storage is None or node.value is None:
-            return
-        for v in node.value:
-            if isinstance(v, torch.Tensor):
-                self.saved_by_storage.setdefault(storage_key(v), []).append(node)
-
-    def _before_mutation(self, m: torch.Tensor, func: Any) -> None:
-        if self.leaves_by_storage is None:
-            self._index_storages()
-        key = storage_key(m)
-        for leaf in self.leaves_by_storage.get(key, ()):
-            if not leaf.snapshot:
-                leaf.value = leaf.value.clone()
-                leaf.snapshot = True
-        for node in self.saved_by_storage.get(key, ()):
-            if node.value is None:
-                continue
-            if self._allows_mutation(node):
-                node.value = [v.clone() if isinstance(v, torch.Tensor) else v for v in node.value]
-                node.versions = None
-            elif not node.decision.is_must:
-                # A PREFER_SAVE is a preference: recomputing the pre-mutation value is
-                # right, keeping a copy would cost memory the policy did not ask for.
-                node.value = node.versions = None
-            elif node.mutated_by is None:
-                node.mutated_by = op_name(func)
-
-    def _allows_mutation(self, node: OpNode) -> bool:
-        if self.ctx.allow_cache_entry_mutation:
-            return True
-        allowing = self.allowing_frames
-        return bool(allowing) and any(id(f) in allowing for f in node.frames)
-
-    def _follow_unversioned_write(self, node: OpNode, mutated: Sequence[torch.Tensor],
-                                  prior: list, outputs: list) -> None:
-        """An op that writes into an argument without bumping its version (rrelu's
-        ``noise``): autograd packed that argument before the write and reads the written
-        value in backward, so handles to the old value follow the write."""
-        for m, found in zip(mutated, prior):
-            if found is None:
-                continue
-            index = next(i for i, o in enumerate(outputs) if o is m)
-            for handle in self.handles:
-                if handle.node is found[0] and handle.index == found[1]:
-                    handle.node, handle.index = node, index
-
     def _set_decision(self, node: OpNode, decision: Decision) -> None:
         first = node.decision is None
         was_saved = not first and node.decision.saves
@@ -303,7 +298,7 @@ class RegionRecorder(TorchDispatchMode):
             if values and op_info(node.op).is_view:  # aliases of the base: its counter now
                 node.versions = [v._version if isinstance(v, torch.Tensor) and not
                                  v.is_inference() else None for v in values]
-            self._index_saved(node)
+            index_saved(self, node)
         elif was_saved and not decision.saves:
             node.value = node.versions = None
         if first:
@@ -383,7 +378,6 @@ class RegionRecorder(TorchDispatchMode):
             records.extend(saved_records(node, seen))
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
-                node.deps = ()
             store_saved(node)
         if self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)

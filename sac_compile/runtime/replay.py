@@ -9,16 +9,17 @@ from typing import Any
 import torch
 
 from ..policy import CheckpointError, op_name
-from ..torch_internals import current_autograd_node
+from .checks import (check_not_mutated, mutated_after_region, stale_leaf, unpack_foreign,
+                     unpack_kept)
 from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, alias_for_saving,
                     flat_outputs, kept_for, map_refs, mutated_tensors, op_info,
-                    recomputes_through_hooks, tensor_text)
+                    recomputes_through_hooks)
 
 
 def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is not NodeOutput:
         if type(packed) is ForeignSaved:
-            return _unpack_foreign(packed)
+            return unpack_foreign(packed)
         return packed
     node = packed.node
     if _CA is not None and _CA.in_compiled_autograd_region:
@@ -26,7 +27,7 @@ def unpack(packed: Any) -> torch.Tensor:
     if node.value is not None and node.mutated_by is None:
         return _unpack_value(node, packed.index)
     if node.kept is not None and node.kept[packed.index] is not None:
-        return _unpack_kept(node, packed.index)
+        return unpack_kept(node, packed.index)
     ctx = node.ctx
     with ctx.lock:
         if torch.get_default_dtype() != ctx.default_dtype:
@@ -83,7 +84,7 @@ def _unpack_progressive(packed: NodeOutput) -> torch.Tensor:
         if node.value is not None and node.mutated_by is None:
             out = _unpack_value(node, packed.index)
         elif node.kept is not None and node.kept[packed.index] is not None:
-            out = _unpack_kept(node, packed.index)
+            out = unpack_kept(node, packed.index)
         else:
             with torch.no_grad(), _autocast_off(), _default_dtype(ctx.default_dtype):
                 out = _materialize(node, progressive=True)[packed.index]
@@ -100,20 +101,8 @@ def _unpack_value(node: OpNode, index: int) -> torch.Tensor:
     value = node.value
     versions = node.versions
     if versions is not None and value[index]._version != versions[index]:
-        raise _mutated_after_region(node, index)
+        raise mutated_after_region(node, index)
     return value[index]
-
-
-def _unpack_kept(node: OpNode, index: int) -> torch.Tensor:
-    """An output a memory budget kept of a multi-output op, unless modified since."""
-    t, version = node.kept[index], node.kept_versions[index]
-    if version is not None and t._version != version:
-        raise CheckpointError(
-            f"output {index} of {node.describe()}, {tensor_text(t)} kept for backward under "
-            f"the region's memory budget, was modified in place after the region returned it "
-            f"(version {version} -> {t._version}), so backward would use the modified value. "
-            f"Clone it before modifying it, or use an out-of-place op")
-    return t
 
 
 def _release(node: OpNode) -> None:
@@ -121,51 +110,6 @@ def _release(node: OpNode) -> None:
     decision keeps (a saved value, a collective's output)."""
     if node.args is not None and not node.decision.saves:
         node.value = node.versions = None
-
-
-def _unpack_foreign(saved: ForeignSaved) -> torch.Tensor:
-    t = saved.value
-    if saved.version is not None and t._version != saved.version:
-        grad_fn = current_autograd_node()
-        op = f"the backward of {grad_fn.name()}" if grad_fn is not None else "backward"
-        what = "a parameter" if isinstance(t, torch.nn.Parameter) else \
-            "a tensor from outside the region (an input, a parameter or a buffer)"
-        raise CheckpointError(
-            f"{op} in region {saved.region!r} needs {tensor_text(t)}, {what}, that autograd "
-            f"saved in the forward at version {saved.version}; it was modified in place since "
-            f"(now version {t._version}), so its gradient would be computed from the new "
-            f"value. Run backward before modifying it (e.g. before optimizer.step()), or use an "
-            f"out-of-place update (h = h + f(h) instead of h += f(h)); plain autograd raises "
-            f"here too")
-    return t
-
-
-def _mutated_after_region(node: OpNode, index: int) -> CheckpointError:
-    t = node.value[index] if node.value is not None else node.packed[index]
-    return CheckpointError(
-        f"output {index} of {node.describe()}, {tensor_text(t)} the policy saved for "
-        f"backward, was modified in place after the region returned it (version "
-        f"{node.versions[index]} -> {t._version}), so backward would use the modified "
-        f"value. Clone it before modifying it (y = y.clone()), use an out-of-place op "
-        f"(y = y + ... instead of y += ...), or make the policy recompute "
-        f"{op_name(node.op)} (a mutation after the region cannot be allowed with "
-        f"allow_cache_entry_mutation)")
-
-
-def _stale_leaf(node: OpNode, leaf: LeafRef) -> CheckpointError:
-    position = next((i for i, a in enumerate(node.args)
-                     if a is leaf or (isinstance(a, (list, tuple)) and any(x is leaf for x in a))),
-                    None)
-    where = f"argument {position}" if position is not None else "an argument"
-    what = "a parameter" if leaf.is_parameter else \
-        "a tensor from outside the region (an input or a buffer)"
-    return CheckpointError(
-        f"recomputing {node.describe()} needs {where}, {tensor_text(leaf.value)}, {what}; it "
-        f"was modified in place after the region read it (version {leaf.version} -> "
-        f"{leaf.value._version}), so the recompute would see the new value. Use an "
-        f"out-of-place update (h = h + block(h) instead of h += block(h)), clone it before "
-        f"modifying it, or make the policy save {op_name(node.op)} (MUST_SAVE) so backward "
-        f"does not recompute it")
 
 
 def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
@@ -183,7 +127,7 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
         node = stack[-1]
         if node.value is not None:
             if node.mutated_by is not None:
-                _check_not_mutated(node)
+                check_not_mutated(node)
             stack.pop()
             continue
         if id(node) not in expanded:
@@ -220,7 +164,6 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
         # The node never needs its inputs again: dropping them frees ancestors whose
         # last consumer this was.
         node.args = node.kwargs = None
-        node.deps = ()
     if done:
         _count_down(done, target)
     return target.value
@@ -240,23 +183,12 @@ def _count_down(done: list[OpNode], target: OpNode) -> None:
             _release(dep)
 
 
-def _check_not_mutated(node: OpNode) -> None:
-    if node.mutated_by is not None:
-        raise CheckpointError(
-            f"the saved output of {node.describe()} was mutated in place by "
-            f"{node.mutated_by} after it was saved, so backward would use a wrong value. "
-            f"Clone it before mutating, make the policy recompute {op_name(node.op)}, or pass "
-            f"allow_cache_entry_mutation=True to the region (which keeps a copy)")
-
-
 def _live_forward_outputs(node: OpNode) -> list[Any] | None:
     """The forward's own outputs, if every one is still alive and unmutated: no need to
     recompute what the program still holds. Not when the recompute would read a value
     restored by ``SaveWithHooks``: a lossy pack (bf16) makes the recomputed value differ
     from the live one, and gradients must not depend on whether the caller still holds an
     output (the compiled split always recomputes through the hooks)."""
-    if recomputes_through_hooks(node):
-        return None
     values = []
     for facts in node.outs:
         if facts is None:
@@ -265,20 +197,23 @@ def _live_forward_outputs(node: OpNode) -> list[Any] | None:
         t = facts[0]()
         if t is None or t._version != facts[1]:
             return None
-        values.append(alias_for_saving(t))
+        values.append(t)
+    # Every output is alive (checked first: the walk below is the costlier test).
+    if recomputes_through_hooks(node):
+        return None
     node.versions = [f[1] if f is not None else None for f in node.outs]
-    return values
+    return [alias_for_saving(t) if t is not None else None for t in values]
 
 
 def _restore_packed(node: OpNode) -> list[Any]:
     if node.mutated_by is not None:  # packed at region exit, after the region's mutation
-        _check_not_mutated(node)
+        check_not_mutated(node)
     hooks = node.decision.hooks
     versions = node.versions
     if versions is not None:
         for i, p in enumerate(node.packed):
             if versions[i] is not None and p._version != versions[i]:
-                raise _mutated_after_region(node, i)
+                raise mutated_after_region(node, i)
         node.versions = None
     values = []
     for i, p in enumerate(node.packed):
@@ -304,7 +239,7 @@ def _restore_packed(node: OpNode) -> list[Any]:
 def _recomputed_value(ref: NodeOutput) -> Any:
     node = ref.node
     if node.value is None and node.kept is not None:
-        return _unpack_kept(node, ref.index)
+        return unpack_kept(node, ref.index)
     return _unpack_value(node, ref.index)
 
 
@@ -318,7 +253,7 @@ class _LeafReader:
 
     def __call__(self, leaf: LeafRef) -> torch.Tensor:
         if leaf.stale():
-            raise _stale_leaf(self.node, leaf)
+            raise stale_leaf(self.node, leaf)
         return leaf.value
 
 
@@ -327,10 +262,26 @@ def _resolve(a: Any, leaf_value: Any = None) -> Any:
 
 
 def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
-    read = _LeafReader(node)
-    args = tuple([_resolve(a, read) for a in node.args])
-    kwargs = {k: _resolve(v, read) for k, v in node.kwargs.items()} if node.kwargs else {}
-    return args, kwargs
+    """The recorded arguments with each reference replaced by its value now."""
+    args = []
+    read = None
+    for a in node.args:  # map_refs, inlined for the common plain reference
+        cls = type(a)
+        if cls is NodeOutput:
+            args.append(_recomputed_value(a))
+        elif cls is LeafRef:
+            if a.stale():
+                raise stale_leaf(node, a)
+            args.append(a.value)
+        elif cls is list or cls is tuple:
+            read = read or _LeafReader(node)
+            args.append(_resolve(a, read))
+        else:
+            args.append(a)
+    if not node.kwargs:
+        return tuple(args), {}
+    read = read or _LeafReader(node)
+    return tuple(args), {k: _resolve(v, read) for k, v in node.kwargs.items()}
 
 
 def _copy_mutated(a: Any) -> Any:
@@ -356,18 +307,26 @@ def _call(node: OpNode, info: Any, args: tuple, kwargs: dict) -> Any:
 def _replay(node: OpNode) -> list[Any]:
     args, kwargs = _resolve_args(node)
     info = OP_INFO[id(node.op)]
-    if info.mutated:
-        # Replay writes into copies: saved values, leaves and module buffers stay intact.
-        args = list(args)
-        for i in info.mutated:
-            if i >= 0 and i < len(args):
-                args[i] = _copy_mutated(args[i])
-            else:
-                name = node.op._schema.arguments[i if i >= 0 else -1 - i].name
-                if name in kwargs:
-                    kwargs[name] = _copy_mutated(kwargs[name])
-        args = tuple(args)
-    out = _call(node, info, args, kwargs)
+    if info.plain and not kwargs and node.rng is None and len(node.outs) == 1:
+        # The common op (as the recorder's fast path): call it, check its one output.
+        out = info.call(*args)
+        facts = node.outs[0]
+        if type(out) is torch.Tensor and facts is not None and out.shape == facts[2] \
+                and out.dtype == facts[3] and not node.ctx.stats:
+            return [out]
+    else:
+        if info.mutated:
+            # Replay writes into copies: saved values, leaves and module buffers stay intact.
+            args = list(args)
+            for i in info.mutated:
+                if i >= 0 and i < len(args):
+                    args[i] = _copy_mutated(args[i])
+                else:
+                    name = node.op._schema.arguments[i if i >= 0 else -1 - i].name
+                    if name in kwargs:
+                        kwargs[name] = _copy_mutated(kwargs[name])
+            args = tuple(args)
+        out = _call(node, info, args, kwargs)
     outputs = flat_outputs(out)
     if not info.mutated and not torch.is_grad_enabled() and any(
             o is None and f is not None for o, f in zip(outputs, node.outs)):
@@ -377,6 +336,11 @@ def _replay(node: OpNode) -> list[Any]:
             outputs = flat_outputs(_call(node, info, args, kwargs))
     if len(outputs) < len(node.outs):
         outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.outs)))
+    return _checked(node, outputs)
+
+
+def _checked(node: OpNode, outputs: list[Any]) -> list[Any]:
+    """The replayed outputs, once each is checked against the forward's shape and dtype."""
     for i, (t, facts) in enumerate(zip(outputs, node.outs)):
         if facts is not None and (not isinstance(t, torch.Tensor) or t.shape != facts[2]
                                   or t.dtype != facts[3]):
