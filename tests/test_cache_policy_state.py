@@ -208,6 +208,8 @@ def test_a_changed_value_a_policy_reads_never_gets_the_old_split(tmp_path):
     lossy = _run("lossy", tmp_path)
     exact = _run("exact", tmp_path)
     warm = _run("exact", tmp_path)
+    for kind in lossy:  # the figures, for `pytest -s`
+        print(f"{kind:32s} process 2 {exact[kind]}  process 3 {warm[kind]}")
     for kind in VARYING + ["module function"]:
         # no proven identity: never a persistent cache entry, in any process
         assert exact[kind]["hit"] == 0 and warm[kind]["hit"] == 0, (kind, exact, warm)
