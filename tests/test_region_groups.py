@@ -11,37 +11,15 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
 from torch._dynamo.utils import counters
 
 from fixtures.capture import Captured
+from fixtures.tiny_stack import Block, Stack
 import sac_compile as sc
 from sac_compile import CheckpointPolicy as P, policies
 from sac_compile.region_groups import members_of
 
 aten = torch.ops.aten
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 16, hidden: int = 32) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)).sin())
-
-
-class Stack(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(Block() for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _grads(model, x):
