@@ -25,10 +25,11 @@ __all__ = ["Decider", "fixed_decision", "make_decider", "by_op_calls"]
 Decider = Callable[[Any, tuple, dict, Any], Decision]
 _CACHED_TYPES = frozenset({bool, CheckpointPolicy, SaveWithHooks})
 
-# Per stack of regions (RegionFrame compares by name and policy value): id(op) -> (op,
-# decision). The entry holds the op, so its id is not reused while cached. Bounded: a
+# Per stack of regions, by (name, policy value) - not by the frames, which hold the regions'
+# slots and budgets: a cache entry must not keep a region (its group membership) alive -
+# id(op) -> (op, decision). The entry holds the op, so its id is not reused while cached. Bounded: a
 # program with more distinct stacks than this starts the cache again.
-_BY_OP: dict[tuple[RegionFrame, ...], dict[int, tuple[Any, Decision]]] = {}
+_BY_OP: dict[tuple[tuple[str, Any], ...], dict[int, tuple[Any, Decision]]] = {}
 _BY_OP_LIMIT = 512
 _BY_OP_CALLS = [0]  # how often a by-op decider asked the policies (tests count it)
 
@@ -61,11 +62,12 @@ def make_decider(frames: Sequence[RegionFrame]) -> Decider:
 
 
 def _by_op_decider(frames: tuple[RegionFrame, ...]) -> Decider:
-    cache = _BY_OP.get(frames)
+    key = tuple((f.name, f.policy) for f in frames)
+    cache = _BY_OP.get(key)
     if cache is None:
         if len(_BY_OP) >= _BY_OP_LIMIT:
             _BY_OP.clear()
-        cache = _BY_OP[frames] = {}
+        cache = _BY_OP[key] = {}
 
     def decide_by_op(op: Any, args: tuple, kwargs: dict, output: Any) -> Decision:
         hit = cache.get(id(op))
