@@ -47,7 +47,8 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "dispatch_tls_local_exclude_set", "ForceDispatchKeyGuard", "current_autograd_node",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
-           "dynamo_recompile_limits", "offload_ops", "symbolic_hint"]  # and the lazy names of _LAZY, which
+           "dynamo_recompile_limits", "offload_ops", "symbolic_hint",
+           "profiler_memory_events"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
 
@@ -274,6 +275,24 @@ def symbolic_hint(value: Any, *, fallback: int) -> Any:
     shapes = torch.fx.experimental.symbolic_shapes
     get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
     return get_hint(value, fallback=fallback)
+
+
+def profiler_memory_events(prof: Any) -> list[tuple[int, int, str, str]]:
+    """Every allocation and free a finished ``torch.profiler.profile(profile_memory=True)``
+    recorded, and every ``record_function`` range: ``(start_ns, nbytes, device, name)``,
+    ``nbytes`` signed (negative: freed) and 0 for a range, ``device`` the lower-case device
+    type (``"cpu"``). Read from the Kineto results (``prof.profiler.kineto_results``, its
+    events' ``name()``, ``start_ns()``, ``nbytes()``, ``device_type()``: 2.11 and 2.13), not
+    ``prof.events()``: that attributes allocations to the op that made them and keeps as
+    ``[memory]`` events only what no op owns (frees, mostly), so it cannot be replayed. If
+    they change, :mod:`sac_compile.measured_peak` fails loudly here."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        device = str(e.device_type()).rsplit(".", 1)[-1].lower()
+        out.append((int(e.start_ns()), int(e.nbytes()) if name == "[memory]" else 0,
+                    device, name))
+    return out
 
 
 def config_default(config: Any, flag: str) -> Any:
