@@ -6,7 +6,9 @@ against which every modelled figure (``compiler.peak``, Inductor's estimates,
 ``with measured_peak() as m: loss = model(x).sum(); m.mark("backward"); loss.backward()``,
 then ``m.bytes`` is the step's peak, ``m.peak("backward")`` the backward's, ``m.at("backward")``
 what was allocated above the start when the backward began and ``m.end`` what the step left
-allocated (the gradients, typically). ``measure_peak(fn, *args)`` is the same around one call.
+allocated (the gradients, typically). On the CPU, ``m.working`` is the peak of what the step
+both allocates and frees (its working set: activations, recomputed values, temporaries;
+gradients it leaves allocated are not in it), the figure to hold an activation model to. ``measure_peak(fn, *args)`` is the same around one call.
 
 How, by device:
 
@@ -58,6 +60,11 @@ class MeasuredPeak:
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
     #: phase -> allocated when it began.
     starts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: CPU only (None on a device): the peak of what the step allocates *and frees* - its
+    #: activations, recomputed values and temporaries, without what it leaves allocated
+    #: (gradients) - the figure an activation-only model predicts; and per phase.
+    working: int | None = None
+    working_phases: dict[str, int] | None = None
     _mark: Callable[[str], None] | None = dataclasses.field(default=None, repr=False)
 
     def mark(self, phase: str) -> None:
@@ -121,27 +128,41 @@ def _profiled() -> Iterator[MeasuredPeak]:
     _replay(result, profiler_memory_events(prof))
 
 
-def _replay(result: MeasuredPeak, events: list[tuple[int, int, str, str]]) -> None:
-    """Fill ``result`` from ``(start_ns, nbytes, device, name)`` events (any order)."""
-    marks = sorted((t, name[len(_MARK):]) for t, _, _, name in events
-                   if name.startswith(_MARK))
-    memory = sorted(((t, n) for t, n, dev, name in events
-                     if name == "[memory]" and dev == "cpu"), key=lambda e: e[0])
+def _replay(result: MeasuredPeak, events: list[tuple[int, int, str, str, int]]) -> None:
+    """Fill ``result`` from ``(start_ns, nbytes, device, name, address)`` events (any
+    order; ties keep the order given)."""
+    events = sorted(events, key=lambda e: e[0])
+    marks = [(t, name[len(_MARK):]) for t, _, _, name, _ in events if name.startswith(_MARK)]
+    memory = [(t, n, addr) for t, n, dev, name, addr in events
+              if name == "[memory]" and dev == "cpu"]
+    # Which allocations the step also frees (an address's allocation ends at its next free);
+    # the others it leaves allocated (gradients). A free of a block allocated before the
+    # step is not reported by the profiler (it never saw its size).
+    transient, open_at = [False] * len(memory), {}
+    for i, (_, n, addr) in enumerate(memory):
+        if n > 0:
+            open_at[addr] = i
+        elif addr in open_at:
+            transient[open_at.pop(addr)] = transient[i] = True
     start = marks[0][0] if marks else (memory[0][0] if memory else 0)
     phases = [("step", start)] + [(p, t) for t, p in marks if p != "step"]
     # Events before the step's own mark (none, unless the clock ties) belong to it.
-    total, i = 0, 0
-    result.phases, result.starts = {}, {}
+    total = working = i = 0
+    result.phases, result.starts, result.working_phases = {}, {}, {}
     for k, (phase, _) in enumerate(phases):
         until = phases[k + 1][1] if k + 1 < len(phases) else None
         result.starts[phase] = total
-        top = total
+        top, top_working = total, working
         while i < len(memory) and (until is None or memory[i][0] < until):
             total += memory[i][1]
-            top = max(top, total)
+            if transient[i]:
+                working += memory[i][1]
+            top, top_working = max(top, total), max(top_working, working)
             i += 1
         result.phases[phase] = top
+        result.working_phases[phase] = top_working
     result.bytes = max(result.phases.values())
+    result.working = max(result.working_phases.values())
     result.end = total
 
 

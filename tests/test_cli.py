@@ -77,6 +77,7 @@ def test_report_json_has_every_strategy_and_matching_gradients(report_run):
     assert len(grads) == 1 and grads.pop() > 0
     for row in rows.values():
         assert row["peak_bytes"] > row["grad_bytes"]
+        assert 0 < row["working_bytes"] <= row["peak_bytes"]
         assert (row["model_peak_bytes"] is not None) == (row["kind"] == "compiled"), row
     assert "measured" in meta["definitions"]["peak_bytes"]
 

@@ -59,14 +59,27 @@ def test_a_phase_is_marked_once():
 
 def test_replay_orders_events_by_time_and_ignores_other_devices():
     result = MeasuredPeak("cpu", "profiler", starts={"step": 0})
-    events = [(30, -100, "cpu", "[memory]"), (10, 100, "cpu", "[memory]"),
-              (5, 0, "cpu", mp._MARK + "step"), (20, 50, "cpu", "[memory]"),
-              (25, 0, "cpu", mp._MARK + "bw"), (26, 999, "cuda", "[memory]"),
-              (40, 10, "cpu", "[memory]"), (27, 0, "cpu", "aten::mm")]
+    events = [(30, -100, "cpu", "[memory]", 1), (10, 100, "cpu", "[memory]", 1),
+              (5, 0, "cpu", mp._MARK + "step", 0), (20, 50, "cpu", "[memory]", 2),
+              (25, 0, "cpu", mp._MARK + "bw", 0), (26, 999, "cuda", "[memory]", 3),
+              (40, 10, "cpu", "[memory]", 1), (27, 0, "cpu", "aten::mm", 0)]
     mp._replay(result, events)
     assert (result.bytes, result.end) == (150, 60)
     assert result.phases == {"step": 150, "bw": 150}
     assert result.starts == {"step": 0, "bw": 150}
+    # only the block at 1 allocated first is freed in the step: the working set is it
+    assert (result.working, result.working_phases) == (100, {"step": 100, "bw": 100})
+
+
+def test_working_set_leaves_out_what_the_step_keeps():
+    with measured_peak() as m:
+        kept = _bytes(MiB)           # left allocated: like a gradient
+        tmp = _bytes(2 * MiB)        # freed: like an activation
+        del tmp
+        tmp = _bytes(MiB // 2)       # the same address may come back: a new block
+        del tmp
+    assert (m.bytes, m.end, m.working) == (3 * MiB, MiB, 2 * MiB)
+    del kept
 
 
 def _step(model, inputs, meter, wrap=None):
@@ -103,6 +116,8 @@ def test_eager_step_equals_the_run_time_count_of_every_storage(name, ac):
     assert measured.at("backward") == live.at("backward")
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert measured.end == grads  # the step leaves its gradients allocated
+    # what it frees peaks at least as high as the activations (gradients excluded) count
+    assert live.peak() - grads <= measured.working <= live.peak()
 
 
 def test_full_ac_lowers_the_measured_peak_where_activations_dominate():

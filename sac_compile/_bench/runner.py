@@ -37,6 +37,9 @@ How each figure is obtained:
   ``model_peak_bytes`` (compiled rows): the partitioner's peak model of its split
   (``sac_compile.compiler.peak``: activations only, the largest split's), an explanation
   beside the measurement. ``grad_bytes``: what the step left allocated (its gradients).
+  ``working_bytes`` (CPU): the measured peak of what the step allocates and also frees
+  (activations, recomputed values, temporaries; not the gradients it leaves), the measured
+  figure beside the model's.
 * recompute FLOPs: eager: ``FlopCounterMode`` over a whole step, minus no AC's count;
   compiled: the FLOPs of the ops the backward graph recomputes, by the same
   ``torch.utils.flop_counter`` rules.
@@ -121,6 +124,7 @@ class Row:
     peak_bytes: int | None = None       # measured step peak (sac_compile.measured_peak)
     model_peak_bytes: int | None = None  # compiled: the partitioner's peak model
     grad_bytes: int | None = None       # allocated at the step's end (its gradients)
+    working_bytes: int | None = None    # CPU: measured peak of what the step also frees
     recompute_flops: int | None = None
     recomputed_ops: int | None = None
     time_ratio: float | None = None     # median of per-round ratios to no AC
@@ -199,7 +203,7 @@ class _Runner:
         with measured_peak(self.cfg.device) as m:
             step()
         clear_grads(grads_model, self.inputs)
-        row.peak_bytes, row.grad_bytes = m.bytes, m.end
+        row.peak_bytes, row.grad_bytes, row.working_bytes = m.bytes, m.end, m.working
 
     def _flops(self, step: Callable[[], Any]) -> int:
         from torch.utils.flop_counter import FlopCounterMode

@@ -53,6 +53,8 @@ columns:
             during one step (gradients included), above the step's start; CUDA:
             torch.cuda.max_memory_allocated, CPU: torch.profiler's allocation events
             (sac_compile.measured_peak; Inductor's buffers included)
+  working peak  CPU: the measured peak of what the step allocates and also frees
+            (activations, recomputed values, temporaries; not the gradients it leaves)
   modelled peak  compiled rows: the partitioner's peak model of its graphs' activations
             (the largest split's), an explanation beside the measurement
   recompute FLOPs spent re-running forward ops in backward (torch.utils.flop_counter rules:

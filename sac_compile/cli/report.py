@@ -82,6 +82,8 @@ def run_report_command(args: Any) -> int:
     grads = next((r.grad_bytes for r in rows if r.status == "ok" and r.grad_bytes), None)
     if grads:
         peak += f" ({fmt_bytes(grads, 2)} of gradients at the step's end)"
+    peak += (". working peak (CPU): the same events, only what the step also frees "
+             "(activations, recomputed values, temporaries; not the gradients it leaves)")
     peak += (". modelled peak: the partitioner's model of its graphs' activations (the "
              "largest split's), an explanation beside the measurement")
     print("kept: activation bytes kept for backward (eager: counted at run time; compiled: the "
