@@ -216,3 +216,54 @@ def test_an_accelerator_without_statistics_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="no allocator statistics"):
         with measured_peak("meta"):
             pass
+
+
+# -- the peak model against the measurement ----------------------------------------------
+
+def _compiled_step_peaks(name: str, compiler: str):
+    """(the split's MemoryPeak, the measured step) for fixture ``name`` (test size) with
+    every block a relaxed(save_matmuls) region, compiled whole with ``compiler``."""
+    from sac_compile import policies
+    from sac_compile._bench.measure import wrap_blocks
+    from sac_compile._bench.strategies import loss_of, ours
+    from sac_compile.compiler import make_backend
+    from sac_compile.torch_internals import dynamo_reset, functorch_config
+
+    model, inputs = make_model(name, size="test")
+    wrap_blocks(model, ours(policies.relaxed(policies.save_matmuls)))
+    reports = []
+    dynamo_reset()
+    fn = torch.compile(model, backend=make_backend(compiler=compiler,
+                                                   on_partition=reports.append))
+
+    def step():
+        torch.manual_seed(0)
+        loss_of(fn(*inputs)).backward()
+
+    with functorch_config.patch(enable_autograd_cache=False):
+        step()  # compiles
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with measured_peak() as m:
+        step()
+    dynamo_reset()
+    assert len(reports) == 1
+    return reports[0].peak, m
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_aot_eager_step_model_is_the_measured_step_peak(name):
+    """``aot_eager`` runs the graphs in the order the model walks them: its step figure
+    (activations, and the gradients from when the backward makes them) is the allocator's
+    peak but for the loss and its tangent (4 B each, made outside the graphs)."""
+    peak, m = _compiled_step_peaks(name, "aot_eager")
+    assert 0 <= m.bytes - peak.with_gradients <= 16
+    assert m.working - 16 <= peak.bytes <= m.working  # activations alone: the working set
+
+
+def test_inductor_step_model_within_ten_percent_of_measured():
+    """Inductor fuses, reuses buffers and reorders; the model walks the graphs as extracted.
+    On the MLP fixture it is within 10% of the measured step peak (1.3% at torch 2.13); the
+    issue's target, 3% on every benchmark model, is not met yet (benchmarks/peak_measured.py)."""
+    peak, m = _compiled_step_peaks("mlp", "inductor")
+    assert abs(peak.with_gradients / m.bytes - 1) <= 0.10

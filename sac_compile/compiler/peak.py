@@ -239,6 +239,16 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: by_name.get(n.name))
     fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
     bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)
+    # The step as an allocator sees it: the gradients handed back are allocated by the
+    # backward and outlive it (outputs live to the walk's end already).
+    on_device = any(d != "cpu" for d in fw_walk.device.values())
+
+    def with_grads_counted(k: Key) -> bool:
+        return bw_counted(k) or (k in bw_walk.outputs and
+                                 bw_walk.maker[k].name not in bw_walk.given_names and
+                                 (not on_device or bw_walk.device[k] != "cpu"))
+
+    with_grads, _, _ = bw_walk.sweep(with_grads_counted)
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
 
     def label(walk: _Walk, k: Key, phase: str) -> tuple[str, str]:
@@ -270,7 +280,7 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
         node = walk.nodes[pos]
         after = f"{node.name} ({costs.op_label(node)})" if node.op == "call_function" \
             else node.name
-    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak)
+    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak, max(fw_peak, with_grads))
 
 
 def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
