@@ -89,6 +89,9 @@ class MemoryPeak:
     after: str = ""                # the op after which the peak is reached
     at_peak: tuple[tuple[str, str, int], ...] = ()
     with_gradients: int | None = None  # the step's peak, the backward's gradients counted
+    #: compile: the same figures as Inductor allocates (values it computes inside the
+    #: kernels that read them not counted; ``at_peak`` empty), None otherwise.
+    fused: "MemoryPeak | None" = None
 
     @property
     def bytes(self) -> int:
