@@ -236,16 +236,19 @@ def _compiled_step_peaks(name: str, compiler: str):
     fn = torch.compile(model, backend=make_backend(compiler=compiler,
                                                    on_partition=reports.append))
 
-    def step():
+    def step(m=None):
         torch.manual_seed(0)
-        loss_of(fn(*inputs)).backward()
+        loss = loss_of(fn(*inputs))
+        if m is not None:
+            m.mark("backward")
+        loss.backward()
 
     with functorch_config.patch(enable_autograd_cache=False):
         step()  # compiles
     model.zero_grad(set_to_none=True)
     gc.collect()
     with measured_peak() as m:
-        step()
+        step(m)
     dynamo_reset()
     assert len(reports) == 1
     return reports[0].peak, m
@@ -261,9 +264,18 @@ def test_aot_eager_step_model_is_the_measured_step_peak(name):
     assert m.working - 16 <= peak.bytes <= m.working  # activations alone: the working set
 
 
-def test_inductor_step_model_within_ten_percent_of_measured():
-    """Inductor fuses, reuses buffers and reorders; the model walks the graphs as extracted.
-    On the MLP fixture it is within 10% of the measured step peak (1.3% at torch 2.13); the
-    issue's target, 3% on every benchmark model, is not met yet (benchmarks/peak_measured.py)."""
-    peak, m = _compiled_step_peaks("mlp", "inductor")
-    assert abs(peak.with_gradients / m.bytes - 1) <= 0.10
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_inductor_step_model_tracks_the_measured_step_peak(name):
+    """Inductor fuses, reuses buffers and reorders. The model as Inductor allocates
+    (``peak.fused``: fused-away values not counted) is within 3% of the measured step peak
+    on the MLP and GPT fixtures (test size, torch 2.13: +1.3% and -0.1%; the walk without
+    the fusion rule: +1.3% and +6.5%), and its forward within 1% (equal, to the byte, on
+    2.13). Issue 27's target, 3% on every benchmark model at bench size, is not met yet
+    (benchmarks/peak_measured.py, README "Measured, and the model against it")."""
+    peak, m = _compiled_step_peaks(name, "inductor")
+    assert peak.fused is not None
+    fused_err = abs(peak.fused.with_gradients / m.bytes - 1)
+    assert fused_err <= 0.03, (peak.fused, m)
+    assert fused_err <= abs(peak.with_gradients / m.bytes - 1)
+    # the forward alone, as Inductor allocates it
+    assert abs(peak.fused.forward / m.peak("step") - 1) <= 0.01, (peak.fused, m)
