@@ -73,6 +73,11 @@ class MemoryPeak:
     use; a view shares its base's storage; what the forward hands to the backward (and a
     graph's outputs) until the backward has read it the last time. Not counted: inputs and
     parameters, and the gradients handed back to autograd (the backward's outputs).
+    ``with_gradients`` (compile; None otherwise): the same walk with the gradients the
+    backward hands back counted too, from the node that makes each until the step's end
+    (they outlive the backward): the step's peak above its start as an allocator sees it,
+    when the graphs run in this order (``aot_eager``; ``sac_compile.measured_peak`` measures
+    it), the larger of the forward's and this backward's.
     ``at_peak``: what is alive at the peak, as ``(kind, region, bytes)``: kind ``forward``,
     ``kept`` (handed from forward to backward), ``recomputed``, ``backward`` (gradients and
     the backward's own working values); region: the innermost region that made the value
@@ -83,6 +88,10 @@ class MemoryPeak:
     phase: str                     # "forward" | "backward": where the larger one is
     after: str = ""                # the op after which the peak is reached
     at_peak: tuple[tuple[str, str, int], ...] = ()
+    with_gradients: int | None = None  # the step's peak, the backward's gradients counted
+    #: compile: the same figures as Inductor allocates (values it computes inside the
+    #: kernels that read them not counted; ``at_peak`` empty), None otherwise.
+    fused: "MemoryPeak | None" = None
 
     @property
     def bytes(self) -> int:

@@ -47,7 +47,8 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "dispatch_tls_local_exclude_set", "ForceDispatchKeyGuard", "current_autograd_node",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
-           "dynamo_recompile_limits", "offload_ops", "symbolic_hint"]  # and the lazy names of _LAZY, which
+           "dynamo_recompile_limits", "offload_ops", "symbolic_hint",
+           "profiler_memory_events"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
 
@@ -274,6 +275,33 @@ def symbolic_hint(value: Any, *, fallback: int) -> Any:
     shapes = torch.fx.experimental.symbolic_shapes
     get_hint = getattr(shapes, "optimization_hint", None) or shapes.size_hint
     return get_hint(value, fallback=fallback)
+
+
+def profiler_memory_events(prof: Any) -> list[tuple[int, int, str, str, int]]:
+    """Every allocation and free a finished ``torch.profiler.profile(profile_memory=True)``
+    recorded, and every op or ``record_function`` range: ``(start_ns, nbytes, device, name,
+    address)``, ``nbytes`` signed (negative: freed) and 0 for a range, ``device`` the
+    device type (``"cpu"``), ``address`` the block's (0 for a range). Read from the
+    profiler's event tree (``prof.profiler.kineto_results.experimental_event_tree()``,
+    events of ``torch._C._profiler._EventType.Allocation`` and their ``extra_fields``
+    ``ptr``/``alloc_size``/``device``; what torch's own memory profiler reads; 2.11 and
+    2.13), not ``prof.events()``: that attributes allocations to the op that made them and
+    keeps as ``[memory]`` events only what no op owns (frees, mostly), without addresses.
+    If they change, :mod:`sac_compile.measured_peak` fails loudly here."""
+    from torch._C._profiler import _EventType
+    # Pre-order (each list of children is in time order), so that events of one timestamp
+    # keep the order they happened in when the caller sorts by time.
+    out, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:
+        e = stack.pop()
+        stack.extend(reversed(e.children))
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            out.append((int(e.start_time_ns), int(f.alloc_size), str(f.device.type),
+                        "[memory]", int(f.ptr)))
+        else:
+            out.append((int(e.start_time_ns), 0, "cpu", e.name, 0))
+    return out
 
 
 def config_default(config: Any, flag: str) -> Any:

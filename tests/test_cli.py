@@ -71,6 +71,15 @@ def test_report_json_has_every_strategy_and_matching_gradients(report_run):
     meta = doc["meta"]
     assert meta["model"] == "mlp" and meta["size"] == "test" and meta["torch"] == torch.__version__
     assert meta["machine"] and meta["date"] and "CPU" in meta["definitions"]["peak_bytes"]
+    # The peak column is measured for every row (the allocator's bytes, gradients included:
+    # each step leaves the same gradients); the model stays beside it on compiled rows.
+    grads = {row["grad_bytes"] for row in rows.values()}
+    assert len(grads) == 1 and grads.pop() > 0
+    for row in rows.values():
+        assert row["peak_bytes"] > row["grad_bytes"]
+        assert 0 < row["working_bytes"] <= row["peak_bytes"]
+        assert (row["model_peak_bytes"] is not None) == (row["kind"] == "compiled"), row
+    assert "measured" in meta["definitions"]["peak_bytes"]
 
 
 def test_report_png_is_a_valid_image(report_run):

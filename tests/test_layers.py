@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the cut, shared by both engines", ("sac_compile.cut",)),
     ("shared core", ("sac_compile.region_groups", "sac_compile.budgets",
                      "sac_compile.markers", "sac_compile.report", "sac_compile.live_bytes",
+                     "sac_compile.measured_peak",
                      "sac_compile.policies", "sac_compile.per_call",
                      "sac_compile.policy_identity", "sac_compile.inert_policies",
                      "sac_compile.policy",

@@ -29,12 +29,17 @@ How each figure is obtained:
   bytes the forward graph hands to the backward graph, from the partition (ours: its
   ``PartitionReport``; upstream: the same figure read off torch's partition). Parameters
   and buffers are never counted.
-* peak: CUDA ``max_memory_allocated`` above the step's start. On CPU (no allocator
-  figure): eager strategies, the most live activation bytes during the step, counted at
-  run time (``sac_compile.live_bytes.LiveBytes``: storages ops create, until freed;
-  parameters, inputs and the leaves' gradients excluded); compiled strategies, the peak
-  model of the split (``sac_compile.compiler.peak``: the same count, walked over the
-  forward and backward graphs in the order they run; the largest split's).
+* peak: measured, every row alike (``sac_compile.measured_peak``): the most bytes torch's
+  allocator held at once during one step (forward, backward, the gradients it makes),
+  above what it held when the step began; the step after the measurements (compiled: after
+  the compiling one), gradients cleared before it. CUDA: ``max_memory_allocated``; CPU: the
+  profiler's allocation events replayed in time order (Inductor's buffers included).
+  ``model_peak_bytes`` (compiled rows): the partitioner's peak model of its split
+  (``sac_compile.compiler.peak``: activations only, the largest split's), an explanation
+  beside the measurement. ``grad_bytes``: what the step left allocated (its gradients).
+  ``working_bytes`` (CPU): the measured peak of what the step allocates and also frees
+  (activations, recomputed values, temporaries; not the gradients it leaves), the measured
+  figure beside the model's.
 * recompute FLOPs: eager: ``FlopCounterMode`` over a whole step, minus no AC's count;
   compiled: the FLOPs of the ops the backward graph recomputes, by the same
   ``torch.utils.flop_counter`` rules.
@@ -58,6 +63,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from ..measured_peak import measured_peak
 from ..policies import relaxed
 from ..policy import CheckpointError
 from ..report import fmt_bytes
@@ -115,7 +121,10 @@ class Row:
     kind: str
     status: str = "ok"                  # ok | skipped | failed
     kept_bytes: int | None = None
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None       # measured step peak (sac_compile.measured_peak)
+    model_peak_bytes: int | None = None  # compiled: the partitioner's peak model
+    grad_bytes: int | None = None       # allocated at the step's end (its gradients)
+    working_bytes: int | None = None    # CPU: measured peak of what the step also frees
     recompute_flops: int | None = None
     recomputed_ops: int | None = None
     time_ratio: float | None = None     # median of per-round ratios to no AC
@@ -148,22 +157,6 @@ class ReportConfig:
     seed: int
     compile: bool = True
     time_budget_s: float | None = None   # stop timing rounds early (after 3) once spent
-
-
-def _cuda_peak(device: str) -> contextlib.AbstractContextManager:
-    @contextlib.contextmanager
-    def measure():
-        box: dict[str, int] = {}
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            yield box
-            torch.cuda.synchronize()
-            box["peak"] = torch.cuda.max_memory_allocated() - base
-        else:
-            yield box
-    return measure()
 
 
 class _Runner:
@@ -199,22 +192,18 @@ class _Runner:
             out.backward()
         return step
 
-    def _live_peak(self, model: nn.Module, ctx: Callable[[], Any]) -> int:
-        """The most live activation bytes during one eager step, counted at run time."""
-        from ..live_bytes import LiveBytes
-        inputs = self.inputs
-        clear_grads(model, inputs)
-        torch.manual_seed(self.cfg.seed)
-        with LiveBytes() as meter:
-            with ctx():
-                out = loss_of(model(*inputs))
-            meter.mark("backward")
-            out.backward()
-            meter.exclude([t.grad for t in (*model.parameters(), *inputs)
-                           if isinstance(t, torch.Tensor)])
-            del out
-        clear_grads(model, inputs)
-        return meter.peak()
+    def _measure_peak(self, row: Row, step: Callable[[], Any], grads_model: nn.Module
+                      ) -> None:
+        """One more step under :func:`~sac_compile.measured_peak.measured_peak`: its peak
+        and what it left allocated. Gradients are cleared (and garbage collected) before it,
+        so that the step frees nothing made before it (the CPU profiler could not see
+        that free: it knows only the sizes of what it saw allocated)."""
+        clear_grads(grads_model, self.inputs)
+        gc.collect()
+        with measured_peak(self.cfg.device) as m:
+            step()
+        clear_grads(grads_model, self.inputs)
+        row.peak_bytes, row.grad_bytes, row.working_bytes = m.bytes, m.end, m.working
 
     def _flops(self, step: Callable[[], Any]) -> int:
         from torch.utils.flop_counter import FlopCounterMode
@@ -225,49 +214,48 @@ class _Runner:
     # -- eager -------------------------------------------------------------------------------
     def eager(self, key: str) -> None:
         row, model, inputs, seed = self.rows[key], self.template, self.inputs, self.cfg.seed
-        with _cuda_peak(self.cfg.device) as peak:
-            if key == "no_ac":
-                res = measure_noac(model, inputs, seed=seed, loss=loss_of)
-                row.kept_bytes, row.recomputed_ops = res.saved_bytes, 0
-                wrap = None
-            elif key == "full_ac":
-                exclude = param_storages(model)
-                clear_grads(model, inputs)
-                torch.manual_seed(seed)
-                with wrapped_blocks(model, full_ac), SavedBytes(exclude) as outside:
-                    out = loss_of(model(*inputs))
-                out.backward()
-                res_grads = grads_of(model, inputs)
-                clear_grads(model, inputs)
-                row.kept_bytes = outside.nbytes
-                # The ops full AC re-runs: upstream SAC with an empty save list recomputes the
-                # same ops, and its recompute mode counts them.
-                row.recomputed_ops = measure_torch_sac(model, inputs, [], seed=seed,
-                                                       loss=loss_of).recomputed_ops
-                wrap = full_ac
-            elif key == "torch_sac_eager":
-                res = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=seed,
-                                        loss=loss_of)
-                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
-                wrap = torch_sac
-            elif key == "ours_eager":
-                res = measure_ours(model, inputs, self.cfg.policy, seed=seed, loss=loss_of)
-                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
-                wrap = ours(self.cfg.policy)
-            elif key == "ours_eager_budget":  # the first step records and plans
-                wrap = ours(relaxed(self.cfg.policy), self.cfg.budget, len(model.blocks))
-                for _ in range(2):  # (a whole-model budget prices its regions on step 2)
-                    res = measure_ours(model, inputs, seed=seed, loss=loss_of, regions=wrap)
+        if key == "no_ac":
+            res = measure_noac(model, inputs, seed=seed, loss=loss_of)
+            row.kept_bytes, row.recomputed_ops = res.saved_bytes, 0
+            wrap = None
+        elif key == "full_ac":
+            exclude = param_storages(model)
+            clear_grads(model, inputs)
+            torch.manual_seed(seed)
+            with wrapped_blocks(model, full_ac), SavedBytes(exclude) as outside:
+                out = loss_of(model(*inputs))
+            out.backward()
+            res_grads = grads_of(model, inputs)
+            clear_grads(model, inputs)
+            row.kept_bytes = outside.nbytes
+            # The ops full AC re-runs: upstream SAC with an empty save list recomputes the
+            # same ops, and its recompute mode counts them.
+            row.recomputed_ops = measure_torch_sac(model, inputs, [], seed=seed,
+                                                   loss=loss_of).recomputed_ops
+            wrap = full_ac
+        elif key == "torch_sac_eager":
+            res = measure_torch_sac(model, inputs, TORCH_SAVE_MATMUL_OPS, seed=seed,
+                                    loss=loss_of)
+            row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+            wrap = torch_sac
+        elif key == "ours_eager":
+            res = measure_ours(model, inputs, self.cfg.policy, seed=seed, loss=loss_of)
+            row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+            wrap = ours(self.cfg.policy)
+        elif key == "ours_eager_budget":  # the first step records and plans
+            wrap = ours(relaxed(self.cfg.policy), self.cfg.budget, len(model.blocks))
+            for _ in range(2):  # (a whole-model budget prices its regions on step 2)
                 res = measure_ours(model, inputs, seed=seed, loss=loss_of, regions=wrap)
-                row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
-                row.note = res.note
-            else:  # pragma: no cover
-                raise KeyError(key)
+            res = measure_ours(model, inputs, seed=seed, loss=loss_of, regions=wrap)
+            row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
+            row.note = res.note
+        else:  # pragma: no cover
+            raise KeyError(key)
         row.grads = res_grads if key == "full_ac" else res.grads
         ctx = (lambda: wrapped_blocks(model, wrap)) if wrap else contextlib.nullcontext
-        row.peak_bytes = peak.get("peak") or self._live_peak(model, ctx)
         row.step = self._step_fn(model, model, ctx)
         row.flops_total = self._flops(row.step)
+        self._measure_peak(row, row.step, model)
         clear_grads(model, inputs)
 
     # -- compiled ----------------------------------------------------------------------------
@@ -294,8 +282,7 @@ class _Runner:
         step = self._step_fn(compiled, model)
         t0 = time.perf_counter()
         try:
-            with _cuda_peak(self.cfg.device) as peak:
-                step()
+            step()
         except CheckpointError as e:   # e.g. a memory budget below what must be saved
             dynamo_reset()
             row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
@@ -307,7 +294,8 @@ class _Runner:
         if not figures.splits:
             row.note = "no partition was observed (an AOTAutograd cache hit?)"
         row.kept_bytes = figures.kept_bytes
-        row.peak_bytes = peak.get("peak", figures.peak_bytes)
+        row.model_peak_bytes = figures.peak_bytes
+        self._measure_peak(row, step, model)  # the second call: compiled, cached
         row.recompute_flops = figures.recompute_flops
         row.recomputed_ops = figures.recomputed_ops
         row.step = step

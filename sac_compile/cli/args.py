@@ -49,10 +49,14 @@ strategies (one row each):
 columns:
   kept      activation bytes kept for backward (eager: counted at run time; compiled: the
             partition report); parameters are never counted
-  peak      CUDA: torch.cuda.max_memory_allocated during the step, above the step's start;
-            CPU: the most live activation bytes during the step (eager: counted at run
-            time; compiled: the partitioner's peak model of its graphs), not an allocator
-            measurement
+  peak      measured, every row alike: the most bytes torch's allocator held at once
+            during one step (gradients included), above the step's start; CUDA:
+            torch.cuda.max_memory_allocated, CPU: torch.profiler's allocation events
+            (sac_compile.measured_peak; Inductor's buffers included)
+  working peak  CPU: the measured peak of what the step allocates and also frees
+            (activations, recomputed values, temporaries; not the gradients it leaves)
+  modelled peak  compiled rows: the partitioner's peak model of its graphs' activations
+            (the largest split's), an explanation beside the measurement
   recompute FLOPs spent re-running forward ops in backward (torch.utils.flop_counter rules:
             matmuls, convolutions, attention)
   time      median over interleaved rounds of the step time divided by no AC's in the same

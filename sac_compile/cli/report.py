@@ -33,6 +33,7 @@ def run_report_command(args: Any) -> int:
     from .._bench.strategies import UnusableModel
     from .progress import Progress
     from .table import format_table, meta, write_json
+    from ..report import fmt_bytes
     cfg = ReportConfig(target, policy_label, policy, budget, device, steps, args.seed,
                        compile=not args.no_compile, time_budget_s=time_budget)
     n_live = sum(1 for _, _, kind in STRATEGIES if kind == "eager" or cfg.compile)
@@ -73,10 +74,18 @@ def run_report_command(args: Any) -> int:
         for line in budgeted.note.splitlines():
             print("  " + line)
         print()
-    peak = ("peak: torch.cuda.max_memory_allocated during the step" if device.startswith("cuda")
-            else "peak*: on CPU, the most live activation bytes during the step (eager: "
-                 "counted at run time; compiled: the partitioner's peak model of its "
-                 "forward/backward graphs), not an allocator measurement")
+    peak = ("peak: measured, every row alike: the most bytes torch's allocator held at once "
+            "during one step, above its start (" +
+            ("torch.cuda.max_memory_allocated" if device.startswith("cuda") else
+             "CPU: torch.profiler's allocation events, Inductor's buffers included") +
+            "); the step's gradients included")
+    grads = next((r.grad_bytes for r in rows if r.status == "ok" and r.grad_bytes), None)
+    if grads:
+        peak += f" ({fmt_bytes(grads, 2)} of gradients at the step's end)"
+    peak += (". working peak (CPU): the same events, only what the step also frees "
+             "(activations, recomputed values, temporaries; not the gradients it leaves)")
+    peak += (". modelled peak: the partitioner's model of its graphs' activations (the "
+             "largest split's), an explanation beside the measurement")
     print("kept: activation bytes kept for backward (eager: counted at run time; compiled: the "
           "partition); parameters excluded.")
     print(peak + ".")

@@ -27,16 +27,18 @@ def _fmt_flops(n: int | None) -> str:
 
 
 def format_table(rows: list[Row], device: str) -> str:
-    peak_head = "peak (CUDA)" if device.startswith("cuda") else "peak* (CPU)"
-    header = ["strategy", "kept", peak_head, "recompute FLOPs", "ops recomputed",
-              "time vs no AC", "max |grad diff|"]
+    peak_head = "peak (CUDA)" if device.startswith("cuda") else "peak (CPU)"
+    header = ["strategy", "kept", peak_head, "working peak", "modelled peak",
+              "recompute FLOPs", "ops recomputed", "time vs no AC", "max |grad diff|"]
     body = []
     for r in rows:
         if r.status != "ok":
-            body.append([r.label, "-", "-", "-", "-", "-", f"{r.status}: {r.note}"])
+            body.append([r.label, *["-"] * (len(header) - 2), f"{r.status}: {r.note}"])
             continue
         body.append([
             r.label, fmt_bytes(r.kept_bytes, 2), fmt_bytes(r.peak_bytes, 2),
+            "-" if r.working_bytes is None else fmt_bytes(r.working_bytes, 2),
+            "-" if r.model_peak_bytes is None else fmt_bytes(r.model_peak_bytes, 2),
             _fmt_flops(r.recompute_flops),
             "-" if r.recomputed_ops is None else str(r.recomputed_ops),
             f"{r.time_ratio:.2f}x" if r.time_ratio is not None else "-",
@@ -85,13 +87,20 @@ def meta(cfg: ReportConfig, elapsed: float) -> dict[str, Any]:
             "kept_bytes": "activation bytes kept for backward (eager: counted at run time, "
                           "inside and outside the blocks; compiled: what the partition's "
                           "forward hands to its backward); parameters and buffers excluded",
-            "peak_bytes": ("torch.cuda.max_memory_allocated during the step above its start"
-                           if cfg.device.startswith("cuda") else
-                           "CPU: the most live activation bytes during the step (parameters, "
-                           "inputs and leaves' gradients excluded): eager strategies counted "
-                           "at run time, compiled ones by the partitioner's peak model of "
-                           "its forward/backward graphs (the largest split's); not an "
-                           "allocator figure"),
+            "peak_bytes": "measured, every strategy alike (sac_compile.measured_peak): the "
+                          "most bytes torch's allocator held at once during one step "
+                          "(forward, backward, the gradients it makes) above what it held "
+                          "when the step began; " + (
+                              "torch.cuda.max_memory_allocated" if cfg.device.startswith("cuda")
+                              else "CPU: the profiler's allocation events (Inductor's "
+                                   "buffers included), replayed in time order"),
+            "model_peak_bytes": "compiled strategies: the partitioner's peak model of its "
+                                "forward/backward graphs (activations only, the largest "
+                                "split's; sac_compile.compiler.peak), beside the measurement",
+            "grad_bytes": "what the measured step left allocated: its gradients",
+            "working_bytes": "CPU: the measured peak of what the step allocates and also "
+                             "frees (activations, recomputed values, temporaries; not the "
+                             "gradients it leaves allocated); null on a device",
             "recompute_flops": "FLOPs of forward ops re-run in backward, torch.utils."
                                "flop_counter rules (eager: FlopCounterMode over the step minus "
                                "no AC's; compiled: the partition's recomputed nodes)",

@@ -21,7 +21,11 @@ code, which frees each value after its last use and the backward's inputs as con
   are not counted.
 
 Inductor may reorder and fuse the backward further (and keeps fewer intermediates); the
-model is the order of the graphs as extracted, the same for every compiler.
+model is the order of the graphs as extracted, the same for every compiler. ``peak.fused``
+is the same walk as Inductor allocates (torch's partitioner's ``is_materialized`` rule:
+a fusible value read only by fusible ops is computed inside their kernels); its reuse of
+buffers and its reordering are not modelled (``benchmarks/peak_measured.py`` measures
+both against the allocator).
 """
 from __future__ import annotations
 
@@ -229,16 +233,50 @@ def _counters(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.N
     return fw_counted, bw_counted
 
 
-def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
-    """The peak of live activation bytes over ``fw`` then ``bw`` (a split of ``joint``,
-    whose nodes give names their regions); see the module docstring."""
-    by_name = {n.name: n for n in joint.graph.nodes}
+def _split_walks(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
+                 ) -> tuple[_Walk, _Walk, Callable[[Key], bool], Callable[[Key], bool],
+                            Callable[[Key], bool]]:
+    """The walks of a split's final graphs and what each counts: the forward, the
+    backward, and the backward with the gradients it hands back (see ``with_gradients``)."""
     fw_walk = _Walk(list(fw.graph.nodes), given=fw.graph.find_nodes(op="placeholder"))
     bw_walk = _Walk(list(bw.graph.nodes), given=bw.graph.find_nodes(op="placeholder"),
                     vals=graph_meta.replayed_vals(bw))
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: by_name.get(n.name))
+    on_device = any(d != "cpu" for d in fw_walk.device.values())
+
+    def with_grads_counted(k: Key) -> bool:
+        # The step as an allocator sees it: the gradients handed back are allocated by
+        # the backward and outlive it (outputs live to the walk's end already).
+        return bw_counted(k) or (k in bw_walk.outputs and
+                                 bw_walk.maker[k].name not in bw_walk.given_names and
+                                 (not on_device or bw_walk.device[k] != "cpu"))
+
+    return fw_walk, bw_walk, fw_counted, bw_counted, with_grads_counted
+
+
+def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
+                ) -> MemoryPeak:
+    """The same walks as Inductor allocates: without the values it computes inside the
+    kernels that read them (:func:`_fused_away`, whose inputs live until those kernels)."""
+    from ..torch_internals import get_default_op_list
+    fusible = get_default_op_list().is_fusible
+    fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
+    fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+    forward = fw_walk.sweep(lambda k: fw_counted(k) and k not in fw_away)[0]
+    backward = bw_walk.sweep(lambda k: bw_counted(k) and k not in bw_away)[0]
+    step = bw_walk.sweep(lambda k: grads_counted(k) and k not in bw_away)[0]
+    return MemoryPeak(forward, backward, "backward" if backward >= forward else "forward",
+                      with_gradients=max(forward, step))
+
+
+def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
+    """The peak of live activation bytes over ``fw`` then ``bw`` (a split of ``joint``,
+    whose nodes give names their regions); see the module docstring."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
     fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
     bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)
+    with_grads, _, _ = bw_walk.sweep(grads_counted)
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
 
     def label(walk: _Walk, k: Key, phase: str) -> tuple[str, str]:
@@ -270,7 +308,8 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
         node = walk.nodes[pos]
         after = f"{node.name} ({costs.op_label(node)})" if node.op == "call_function" \
             else node.name
-    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak)
+    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak, max(fw_peak, with_grads),
+                      _fused_peak(fw, bw, by_name))
 
 
 def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
