@@ -76,9 +76,7 @@ class PerCall:
                 f"{policy!r}, which is not a policy: {e}") from None
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        # (read as PolicyContext keeps it: a policy whose code names ctx.region is taken
-        # to decide by region, and given a compiled graph per region name)
-        region = getattr(ctx, "_region", "?")
+        region = getattr(ctx, "region", "?")
         raise CheckpointError(
             f"per_call({_describe(self.factory)}) was asked about op {op} in region "
             f"{region!r}: it is a policy factory, built once per region call, and only a "
