@@ -8,7 +8,8 @@ then ``m.bytes`` is the step's peak, ``m.peak("backward")`` the backward's, ``m.
 what was allocated above the start when the backward began and ``m.end`` what the step left
 allocated (the gradients, typically). On the CPU, ``m.working`` is the peak of what the step
 both allocates and frees (its working set: activations, recomputed values, temporaries;
-gradients it leaves allocated are not in it), the figure to hold an activation model to. ``measure_peak(fn, *args)`` is the same around one call.
+gradients it leaves allocated are not in it), the figure to hold an activation model to.
+``measure_peak(fn, *args)`` is the same around one call.
 
 How, by device:
 
@@ -28,7 +29,10 @@ counts memory outside it (oneDNN scratch, Python objects) or, on the CPU, the al
 rounding. Storages freed by Python's cycle collector are freed when it runs: collect
 garbage before the step if the peak must not depend on it. On the CPU the profiler cannot be
 nested (no ``measured_peak`` inside another, nor inside a user's profiler) and adds time,
-never bytes. Imports nothing of sac_compile but ``torch_internals``.
+never bytes; it reports no free of a block allocated before it began (it never saw the
+size), so a step that frees earlier memory (last step's gradients) reads as if it still
+held it: clear those before the step. Imports nothing of sac_compile but
+``torch_internals``.
 """
 from __future__ import annotations
 
