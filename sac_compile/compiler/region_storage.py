@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..cut.costs import is_view
-from ..cut.roles import node_role
+from ..cut.roles import is_backward_formula, node_role
 from ..policy import CheckpointPolicy, Decision
 from .tagging import write_decision
 
@@ -129,8 +129,6 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
         if node.op == "placeholder":
             if node_role(node).runs_in_backward:
                 out.add(node)
-        elif graph_meta.autograd_backward(node) or \
-                graph_meta.partitioner_tag(node) == "is_backward" or \
-                any(arg in out for arg in node.all_input_nodes):
+        elif is_backward_formula(node) or any(arg in out for arg in node.all_input_nodes):
             out.add(node)
     return out

@@ -102,3 +102,10 @@ def static_inputs(graph: fx.Graph, indices: Iterable[int] | None) -> set[fx.Node
 def is_joint_graph(graph: fx.Graph) -> bool:
     """A joint forward/backward graph (it has tangents): one a partitioner will split."""
     return any(node_role(n) is Role.TANGENT for n in graph.find_nodes(op="placeholder"))
+
+
+def is_backward_formula(node: fx.Node) -> bool:
+    """A node AOTAutograd traced for a backward formula (``cos(mm)`` of sin's backward,
+    which needs no tangent, is one), or one we made for the backward (a recompute)."""
+    return bool(graph_meta.autograd_backward(node)) or \
+        graph_meta.partitioner_tag(node) == "is_backward"

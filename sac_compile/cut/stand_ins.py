@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from .. import graph_meta
 from .network import INF, FlowNetwork
+from .roles import is_backward_formula
 
 __all__ = ["keep_stand_ins_off_device", "kept_in_place"]
 
@@ -42,8 +43,7 @@ def _derived(d: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
             continue
         seen.add(u)
         dec = graph_meta.decision(u)
-        formula = graph_meta.autograd_backward(u) or graph_meta.partitioner_tag(u) == \
-            "is_backward"  # a backward formula's value that needs no tangent: cos(mm)
+        formula = is_backward_formula(u)  # a backward formula's value needing no tangent
         if call is None or not (formula or graph_meta.outer_region_id(u) == call) or \
                 (dec is not None and dec.saves):
             continue
