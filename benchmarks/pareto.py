@@ -53,7 +53,7 @@ from sac_compile import CheckpointError  # noqa: E402
 from sac_compile import CheckpointPolicy as CP  # noqa: E402
 from sac_compile import make_backend, policies, sac_region  # noqa: E402
 from sac_compile._bench.partition_figures import (OnPartition,  # noqa: E402
-                                                  PartitionFigures, _record_upstream,
+                                                  PartitionFigures, upstream_aot_eager,
                                                   upstream_backend)
 from sac_compile.report import fmt_bytes  # noqa: E402
 
@@ -138,17 +138,9 @@ def build(cfg: Config, size: str):
 
 def _upstream_aot_eager(figures: PartitionFigures):
     """aot_eager with torch's partitioner, recording each split as the report does."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def partition(gm, joint_inputs, **kwargs):
-        fw, bw = _record_upstream(figures, gm, joint_inputs, **kwargs)
+    def after(fw, bw):
         figures.splits[-1]["fresh_random"] = fresh_random_ops(fw, bw)
-        return fw, bw
-
-    def boxed(gm, _):
-        return make_boxed_func(gm.forward)
-    return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
+    return upstream_aot_eager(figures, after)
 
 
 def fresh_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:

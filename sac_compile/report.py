@@ -14,8 +14,9 @@
 * ``cost_estimated``: ops whose FLOPs were estimated from shapes (custom ops, matmuls with no
   ``flop_counter`` formula, see ``sac_compile.op_costs.op_flops``);
 * with a memory budget (compile): ``memory_budget`` as given, ``budget_bytes`` (the cap on
-  ``activation_bytes``; under a ``PeakBudget``, the cap on ``peak.bytes``) and ``evicted``: values saved without the budget and recomputed
-  with it, with the reason;
+  ``activation_bytes``; under a ``PeakBudget``, the cap on the step's modelled peak,
+  ``budget_peak``) and ``evicted``: values saved without the budget and recomputed with it,
+  with the reason;
 * ``snapshot()``: deterministic text for expecttest; ``str(report)``: a readable table.
 
 ``sac_compile.explain(fn, *args, mode="eager" | "compile")`` (:mod:`.explaining`) runs
@@ -129,6 +130,9 @@ class PartitionReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     memory_budget: float | int | Any = None   # (Any: a PeakBudget)
     budget_bytes: int | None = None
+    # under a PeakBudget: the final graphs' modelled step peak, what budget_bytes caps
+    # (``peak.with_gradients``; under Inductor ``peak.fused.with_gradients``)
+    budget_peak: int | None = None
     evicted: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
     # eager explain: bytes autograd keeps outside every region (parameters excluded)
     outside_bytes: int | None = None
@@ -181,7 +185,8 @@ class PartitionReport:
     def _budget_line(self) -> str:
         b = self.memory_budget
         if hasattr(b, "label"):  # a PeakBudget: it caps the peak
-            peak = f"modelled peak {fmt_bytes(self.peak.bytes)}, " if self.peak else ""
+            peak = f"modelled step peak {fmt_bytes(self.budget_peak)}, " \
+                if self.budget_peak is not None else ""
             return (f"{b.label()} = {fmt_bytes(self.budget_bytes or 0)}: {peak}"
                     f"{fmt_bytes(self.activation_bytes)} of activations saved")
         given = f"{b * 100:g}%" if isinstance(b, float) else fmt_bytes(b)

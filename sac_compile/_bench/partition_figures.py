@@ -10,7 +10,7 @@ import torch
 
 from ..report import fmt_bytes
 
-__all__ = ["PartitionFigures", "upstream_backend", "OnPartition"]
+__all__ = ["PartitionFigures", "upstream_backend", "upstream_aot_eager", "OnPartition"]
 
 
 class Progress(Protocol):
@@ -129,3 +129,21 @@ def upstream_backend(figures: PartitionFigures) -> Callable[..., Any]:
         from ..torch_internals import compile_fx
         return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": recorder})
     return inductor_with_torch_partitioner
+
+
+def upstream_aot_eager(figures: PartitionFigures,
+                       after: Callable[[Any, Any], None] | None = None) -> Callable[..., Any]:
+    """``aot_eager`` with torch's partitioner, recording each split as the report does;
+    ``after(fw, bw)`` is called with each split's graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = _record_upstream(figures, gm, joint_inputs, **kwargs)
+        if after is not None:
+            after(fw, bw)
+        return fw, bw
+
+    def boxed(gm: torch.fx.GraphModule, _: Any) -> Any:
+        return make_boxed_func(gm.forward)
+    return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)

@@ -102,7 +102,8 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
                 return solve_with_region_budgets(n, regions, kept_cap, solver)
             return solve_with_budget(n, kept_cap, solver, exact=exact), None
 
-        (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under)
+        (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
+                                                     fused=fusing)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
                    peak_fit=fit)

@@ -23,7 +23,7 @@ from ..cut.reasons import Reason, ReasonKind
 from ..cut.roles import Role, node_role
 from ..op_costs import is_cost_estimated
 from ..policy import CheckpointPolicy
-from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
+from ..report import MemoryPeak, PartitionReport, SavedTensorRecord, fmt_bytes
 from .facts import Floor, HostWhy, PeakFit, Storage, Unfused
 from .peak import estimate_peak
 
@@ -59,10 +59,12 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
             f"plain saves, without the region's hooks or CPU offload (a region's storage "
             f"decisions apply to its own saves only)")
     _describe_graphs(report, gm, split, static)
-    if cut is not None and cut.peak_fit is not None and report.peak is not None and \
-            report.peak.bytes > cut.peak_fit.cap:
+    final = _step_peak(report.peak, cut.peak_fit.fused) \
+        if cut is not None and cut.peak_fit is not None else None
+    report.budget_peak = final
+    if final is not None and final > cut.peak_fit.cap:
         report.notes.append(
-            f"{_budget_label(cut)}: the final graphs peak at {fmt_bytes(report.peak.bytes)}, "
+            f"{_budget_label(cut)}: the final graphs' step peaks at {fmt_bytes(final)}, "
             f"above the cap {fmt_bytes(cut.peak_fit.cap)} (the cut's model: "
             f"{fmt_bytes(cut.peak_fit.peak)})")
     report.timings = timings
@@ -119,7 +121,7 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
             f"saved ({cap}unconstrained {fmt_bytes(res.unconstrained_bytes)}, least "
             f"reachable {fmt_bytes(res.min_bytes)}); {res.method}, {res.solves} solves"
             + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
-    why = (f"so that the split's modelled peak fits {fmt_bytes(cut.peak_fit.cap)}"
+    why = (f"so that the step's modelled peak fits {fmt_bytes(cut.peak_fit.cap)}"
            if cut.peak_fit is not None else
            f"saving it would exceed {fmt_bytes(res.budget_bytes)}")
     report.estimated_labels |= {costs.op_label(v) for v in res.evicted if _cost_estimated(v)}
@@ -157,12 +159,22 @@ def _peak_fit_note(label: str, fit: PeakFit, res: BudgetResult) -> str:
     how = ("the cut without a budget fits" if fit.kept_cap is None else
            f"kept-byte budget {fmt_bytes(fit.kept_cap)} ({res.method}), the cheapest "
            f"to recompute of the {fit.fitting} cuts whose peak fits")
-    return (f"{label}: modelled peak {fmt_bytes(fit.peak)} (cap {fmt_bytes(fit.cap)}; "
+    return (f"{label}: modelled step peak {fmt_bytes(fit.peak)} (cap {fmt_bytes(fit.cap)}; "
             f"without a budget {fmt_bytes(fit.unconstrained_peak)}, least found "
             f"{fmt_bytes(fit.least_peak)}, {fit.tried} cuts tried); {how}: "
             f"{fmt_bytes(res.activation_bytes)} of activations saved (unconstrained "
             f"{fmt_bytes(res.unconstrained_bytes)})"
             + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
+
+
+def _step_peak(peak: MemoryPeak | None, fused: bool) -> int | None:
+    """The final graphs' modelled step peak (gradients counted), as the cut's was: as
+    Inductor allocates where ``fused``."""
+    if peak is None:
+        return None
+    if fused and peak.fused is not None:
+        peak = peak.fused
+    return peak.with_gradients if peak.with_gradients is not None else peak.bytes
 
 
 def _region_budget_notes(facts: RegionBudgetFacts) -> list[str]:

@@ -52,6 +52,7 @@ class PeakFit:
     tried: int
     fitting: int
     least_peak: int
+    fused: bool = False  # the peaks are as Inductor allocates (fusion rule applied)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
 from .boundaries import boundary_values, recomputed_by, solve_lowering_peak, with_floor
 from .facts import Floor, PeakFit
-from .peak import cut_peak
+from .peak import cut_peaks
 
 __all__ = ["solve_peak_budget", "GRID", "BISECT_STEPS"]
 
@@ -90,13 +90,22 @@ class _Candidate:
         return self.solved[0].activation_bytes
 
 
+def step_peak(gm: fx.GraphModule, net: FlowNetwork, kept: set[fx.Node], *,
+              fused: bool) -> int:
+    """The modelled step peak of the split a cut keeping ``kept`` gives: the forward's,
+    or the backward's with the gradients it hands back (they outlive it), the larger;
+    ``fused``: as Inductor allocates."""
+    return max(cut_peaks(gm.graph, net.cls, kept, fused=fused, with_gradients=True))
+
+
 def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
-                      under: Callable[[FlowNetwork, float | int, bool], Solved]
-                      ) -> tuple[Solved, Floor, PeakFit]:
+                      under: Callable[[FlowNetwork, float | int, bool], Solved], *,
+                      fused: bool = False) -> tuple[Solved, Floor, PeakFit]:
     """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
     solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
-    solver's exact program). Returns the chosen solve, what the region-boundary floor did
-    for it, and how the budget was met."""
+    solver's exact program); ``fused``: the graphs go to Inductor (the peak as it
+    allocates). Returns the chosen solve, what the region-boundary floor did for it, and
+    how the budget was met."""
     tried: list[_Candidate] = []
     exact_each = len(net.cls.nodes) <= EXACT_EACH_MAX_NODES
 
@@ -110,8 +119,8 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                 raise
             return None
         facts = {u: f for u in floor.held if (f := graph_meta.pop_boundary(u)) is not None}
-        c = _Candidate(kept_cap, solved, floor, facts, cut_peak(gm.graph, net.cls,
-                                                                solved[0].saved))
+        c = _Candidate(kept_cap, solved, floor, facts,
+                       step_peak(gm, net, set(solved[0].saved), fused=fused))
         tried.append(c)
         return c
 
@@ -148,12 +157,12 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
             fits.append(exact)
             best = exact
     if best is not base:
-        best = _put_back(gm, net, best, cap)
+        best = _put_back(gm, net, best, cap, fused)
     for u, fact in best.facts.items():
         graph_meta.set_boundary(u, fact)
     return best.solved, best.floor, PeakFit(cap, best.peak, base.peak, best.kept_cap,
                                             len(tried), len(fits),
-                                            min(best.peak, *(c.peak for c in tried)))
+                                            min(best.peak, *(c.peak for c in tried)), fused)
 
 
 def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx.Node]]:
@@ -166,7 +175,7 @@ def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx
 
 
 def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
-              cap: int) -> _Candidate:
+              cap: int, fused: bool) -> _Candidate:
     """``best`` with values it recomputes kept after all, one at a time, most expensive to
     recompute first (:data:`PUT_BACK_TRIES` at most), while the modelled peak still fits
     and the cost drops. A kept-byte budget does not see *which* values the peak can
@@ -190,7 +199,7 @@ def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
         trial_cost, trial_again = _recompute_cost(net, trial)
         if trial_cost >= cost:
             continue
-        trial_peak = cut_peak(gm.graph, net.cls, trial)
+        trial_peak = step_peak(gm, net, trial, fused=fused)
         if trial_peak <= cap:
             kept, cost, again, peak = trial, trial_cost, trial_again, trial_peak
             added.append(v)

@@ -1,0 +1,169 @@
+"""One measured training step per strategy, compiled whole: the step's measured peak
+(:mod:`sac_compile.measured_peak`), its modelled peak where ours made the split, the FLOPs
+the backward recomputes and the gradients against no checkpointing (issue 27's tests and
+``benchmarks/step_budget.py``).
+
+Strategies, each on every ``model.blocks[i]``:
+
+* ``ours``: ``sac_region(relaxed(save_matmuls))``, compiled with ``make_backend(compiler,
+  memory_budget=budget)`` (a :class:`~sac_compile.budgets.PeakBudget`: the step's peak);
+* ``ours recompute_all``: our regions recomputing everything (full AC, ours);
+* ``torch none`` / ``torch SAC`` / ``torch full AC``: no checkpointing, torch's SAC
+  (``PREFER_SAVE`` matmuls and attention, the rest ``PREFER_RECOMPUTE``: what torch's
+  budget may trade) and ``torch.utils.checkpoint``, split by torch's partitioner with
+  ``activation_memory_budget = torch_budget`` where given.
+
+The step: gradients cleared (``None``), garbage collected, forward, the fixtures' loss
+(``sum``) and backward, from seed 0; the first step compiles, the second is measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+import torch
+
+from ..policy import CheckpointError
+from ..report import PartitionReport
+from .gradients import clear_grads, grads_of, max_grad_diff
+from .measure import wrap_blocks
+from .partition_figures import PartitionFigures, upstream_aot_eager, upstream_backend
+from .strategies import full_ac, loss_of, ours
+
+__all__ = ["StepPoint", "run_step", "build_model", "STRATEGIES"]
+
+STRATEGIES = ("ours", "ours recompute_all", "torch none", "torch SAC", "torch full AC")
+
+
+@dataclasses.dataclass
+class StepPoint:
+    """A measured step. Bytes are above what was allocated when the step began."""
+
+    strategy: str
+    budget: Any = None            # ours: the PeakBudget; torch: activation_memory_budget
+    status: str = "ok"            # ok | unreachable | error
+    measured: int | None = None   # the step's measured peak (gradients included)
+    modelled: int | None = None   # ours: the split's modelled step peak
+    flops: int | None = None      # FLOPs the backward recomputes
+    kept: int | None = None       # bytes the forward hands to the backward
+    grad_rel: float | None = None  # largest gradient difference / largest gradient
+    note: str = ""
+    proposed: Any = None          # unreachable: the budget proposed
+
+
+def build_model(name: str, size: str) -> tuple[torch.nn.Module, tuple]:
+    """A fixture model by name: ``gpt2``/``llama`` (Hugging Face, needs transformers),
+    else ``fixtures.models``' own."""
+    if name in ("gpt2", "llama"):
+        from .hf_models import make_hf_model
+        return make_hf_model(name, size=size)
+    from .models import make_model
+    return make_model(name, size=size)
+
+
+def _torch_sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from ..policies import MATMUL_OPS
+    from ..policy import CheckpointPolicy as CP
+    return CP.PREFER_SAVE if op in MATMUL_OPS else CP.PREFER_RECOMPUTE
+
+
+def _torch_sac(i: int, fwd: Any) -> Any:
+    import functools
+
+    import torch.utils.checkpoint as tuc
+
+    from ..compiler.regions_compiled import torch_sac_contexts
+    ctx = functools.partial(torch_sac_contexts, _torch_sac_policy)
+    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
+
+
+def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
+             budget: Any = None, torch_budget: float | None = None,
+             reference: dict | None = None) -> StepPoint:
+    """One compiled step of model ``name`` under ``strategy`` (:data:`STRATEGIES`);
+    ``reference``: the gradients of no checkpointing (:func:`reference_step`), to check."""
+    from .. import policies
+    from ..compiler import make_backend
+    from ..measured_peak import measured_peak
+    from ..torch_internals import dynamo_reset, functorch_config, inductor_config
+
+    point = StepPoint(strategy, budget if strategy.startswith("ours") else torch_budget)
+    model, inputs = build_model(name, size)
+    reports: list[PartitionReport] = []
+    figures = PartitionFigures()
+    if strategy.startswith("ours"):
+        policy = policies.recompute_all if strategy == "ours recompute_all" else \
+            policies.relaxed(policies.save_matmuls)
+        wrap_blocks(model, ours(policy))
+        backend = make_backend(compiler=compiler, memory_budget=budget,
+                               on_partition=reports.append)
+    else:
+        if strategy == "torch SAC":
+            wrap_blocks(model, _torch_sac)
+        elif strategy == "torch full AC":
+            wrap_blocks(model, full_ac)
+        backend = upstream_backend(figures) if compiler == "inductor" else \
+            upstream_aot_eager(figures)
+    dynamo_reset()
+    fn = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        torch.manual_seed(0)
+        loss_of(fn(*inputs)).backward()
+
+    patch = {} if torch_budget is None else {"activation_memory_budget": torch_budget}
+    try:
+        # no caches: the budget must be in force while the graphs are partitioned
+        with functorch_config.patch(enable_autograd_cache=False, **patch), \
+                inductor_config.patch(force_disable_caches=True,
+                                      fallback_random=compiler == "inductor"):
+            step()
+            clear_grads(model, inputs)
+            gc.collect()
+            with measured_peak() as m:
+                step()
+    except Exception as e:  # noqa: BLE001 - a point that fails is a row that says so
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, CheckpointError):
+            cause = cause.__cause__
+        point.status = "unreachable" if cause is not None else "error"
+        point.note = str(cause or e).split("\n")[0][:160]
+        point.proposed = getattr(cause, "proposed_budget", None)
+        dynamo_reset()
+        return point
+    point.measured = m.bytes
+    if reference is not None:
+        largest = max(float(g.abs().max()) for g in reference.values())
+        point.grad_rel = max_grad_diff(reference, grads_of(model, inputs)) / largest
+    clear_grads(model, inputs)
+    if reports:
+        report = reports[-1]
+        point.flops = sum(r.recompute_flops for r in reports)
+        point.kept = sum(r.saved_bytes for r in reports)
+        peaks = [_step_model(r, compiler) for r in reports]
+        point.modelled = max(p for p in peaks if p is not None) if any(
+            p is not None for p in peaks) else None
+        point.note = f"{len(reports)} split(s)" + (
+            f", budget_peak {report.budget_peak}" if report.budget_peak is not None else "")
+    else:
+        point.flops, point.kept = figures.recompute_flops, figures.kept_bytes
+    dynamo_reset()
+    return point
+
+
+def _step_model(report: PartitionReport, compiler: str) -> int | None:
+    peak = report.peak
+    if peak is None:
+        return None
+    if compiler == "inductor" and peak.fused is not None:
+        peak = peak.fused
+    return peak.with_gradients
+
+
+def reference_step(name: str, size: str) -> dict:
+    """The gradients of one step without checkpointing, eager, from seed 0."""
+    model, inputs = build_model(name, size)
+    torch.manual_seed(0)
+    loss_of(model(*inputs)).backward()
+    return grads_of(model, inputs)
