@@ -5,7 +5,7 @@ The public surface::
 
     CheckpointPolicy, CheckpointError, SaveWithHooks, PolicyContext   # decisions
     BudgetUnreachableError        # a memory budget out of reach, with a budget that is met
-    PeakBudget                    # memory_budget=PeakBudget("2GiB"): cap a compiled split's peak
+    PeakBudget                    # memory_budget=PeakBudget("2GiB"): cap the step's peak
     sac_region, checkpoint, apply_regions, tag, name                   # where they apply
     policies, per_call                                # presets that compose; per-call state
     sac_backend, make_backend, SACPartitioner                          # torch.compile

@@ -10,8 +10,10 @@ own; on ``apply_regions`` a byte budget is one budget for all the regions it mak
 optimal for the total), and a fraction is each region's own.
 
 A :class:`PeakBudget` is the other kind of budget, for a compiled split only
-(``make_backend(memory_budget=PeakBudget("2GiB"))``): it caps the split's *modelled peak*
-(:mod:`sac_compile.compiler.peak`) rather than the bytes kept at the end of forward.
+(``make_backend(memory_budget=PeakBudget("2GiB"))``): it caps the *step's peak*, the most
+bytes the step allocates at once above what it began with, gradients included (modelled
+by :mod:`sac_compile.compiler.peak`, as Inductor allocates under Inductor), rather than the
+bytes kept at the end of forward.
 
 A :class:`RegionBudget` is part of a region's frame (:class:`~sac_compile.policy.
 RegionFrame`) and of its compiled group's key (:mod:`sac_compile.region_groups`): two
@@ -31,20 +33,24 @@ __all__ = ["PeakBudget", "RegionBudget", "ModelBudget", "region_budget", "budget
 
 @dataclasses.dataclass(frozen=True)
 class PeakBudget:
-    """A cap on the *peak* of a compiled forward/backward split, not on the bytes it keeps:
+    """A cap on the *step's peak*, not on the bytes a split keeps:
     ``make_backend(memory_budget=PeakBudget("2GiB"))`` (or ``SACPartitioner``,
     ``PartitionerConfig``). ``value`` takes ``memory_budget``'s forms (:func:`check_budget`):
     bytes (an int >= 2, or a string such as ``"2GiB"``, stored as its bytes) or a float in
-    (0, 1], a fraction of the modelled peak of the split without a budget.
+    (0, 1], a fraction of the modelled step peak of the split without a budget.
 
-    The peak is :mod:`sac_compile.compiler.peak`'s model, per split: the most activation
-    bytes alive at once over the forward and then the backward graph, in the order they
-    run (kept values, recomputed values, the backward's own working values; inputs,
-    parameters and the gradients handed back to autograd are not counted). The cut chosen
-    is the cheapest to recompute among the kept-byte budgets searched whose modelled peak
-    fits (:mod:`sac_compile.compiler.peak_budget`). Compile only: a region's
-    ``sac_region(memory_budget=...)`` caps kept bytes. Frozen, hashable and picklable; its
-    ``repr`` is part of the partitioner's cache key."""
+    The step's peak is the most bytes the step allocates at once above what was allocated
+    when it began - what ``sac_compile.measured_peak`` measures, and what a device of N
+    GiB minus its parameters, optimizer state and inputs leaves: the forward's values
+    (kept ones, the outputs), the backward's working set (recomputed values, gradients of
+    activations) and the gradients the backward makes, which outlive it. Modelled by
+    :mod:`sac_compile.compiler.peak` (as Inductor allocates, under Inductor) for the model
+    compiled whole: one split, the forward then its backward. The cut chosen is the
+    cheapest to recompute among the kept-byte budgets searched whose modelled step peak
+    fits (:mod:`sac_compile.compiler.peak_budget`). Several splits (graph breaks) each get
+    the whole cap. Compile only: a region's ``sac_region(memory_budget=...)`` caps kept
+    bytes. Frozen, hashable and picklable; its ``repr`` is part of the partitioner's cache
+    key."""
 
     value: Union[float, int, str]
 
@@ -54,7 +60,7 @@ class PeakBudget:
             raise ValueError("PeakBudget(None) is no budget: pass memory_budget=None instead")
 
     def cap(self, unconstrained_peak: int) -> int:
-        """The cap in bytes, given the modelled peak of the split without a budget."""
+        """The cap in bytes, given the modelled step peak of the split without a budget."""
         if isinstance(self.value, float):
             return int(self.value * unconstrained_peak)
         return int(self.value)

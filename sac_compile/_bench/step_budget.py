@@ -52,14 +52,20 @@ class StepPoint:
     proposed: Any = None          # unreachable: the budget proposed
 
 
-def build_model(name: str, size: str) -> tuple[torch.nn.Module, tuple]:
+def build_model(name: str, size: str, dropout: bool = True) -> tuple[torch.nn.Module, tuple]:
     """A fixture model by name: ``gpt2``/``llama`` (Hugging Face, needs transformers),
-    else ``fixtures.models``' own."""
+    else ``fixtures.models``' own; ``dropout=False``: every ``nn.Dropout`` at p=0."""
     if name in ("gpt2", "llama"):
         from .hf_models import make_hf_model
-        return make_hf_model(name, size=size)
-    from .models import make_model
-    return make_model(name, size=size)
+        model, inputs = make_hf_model(name, size=size)
+    else:
+        from .models import make_model
+        model, inputs = make_model(name, size=size)
+    if not dropout:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    return model, inputs
 
 
 def _torch_sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -80,16 +86,18 @@ def _torch_sac(i: int, fwd: Any) -> Any:
 
 def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
              budget: Any = None, torch_budget: float | None = None,
-             reference: dict | None = None) -> StepPoint:
+             reference: dict | None = None, dropout: bool = True) -> StepPoint:
     """One compiled step of model ``name`` under ``strategy`` (:data:`STRATEGIES`);
-    ``reference``: the gradients of no checkpointing (:func:`reference_step`), to check."""
+    ``reference``: the gradients of no checkpointing (:func:`reference_step`), to check;
+    ``dropout=False``: every ``nn.Dropout`` at p=0 (torch's partitioner recomputes a
+    dropout with a fresh mask under ``aot_eager``: its gradients are wrong with one)."""
     from .. import policies
     from ..compiler import make_backend
     from ..measured_peak import measured_peak
     from ..torch_internals import dynamo_reset, functorch_config, inductor_config
 
     point = StepPoint(strategy, budget if strategy.startswith("ours") else torch_budget)
-    model, inputs = build_model(name, size)
+    model, inputs = build_model(name, size, dropout)
     reports: list[PartitionReport] = []
     figures = PartitionFigures()
     if strategy.startswith("ours"):
@@ -161,9 +169,9 @@ def _step_model(report: PartitionReport, compiler: str) -> int | None:
     return peak.with_gradients
 
 
-def reference_step(name: str, size: str) -> dict:
+def reference_step(name: str, size: str, dropout: bool = True) -> dict:
     """The gradients of one step without checkpointing, eager, from seed 0."""
-    model, inputs = build_model(name, size)
+    model, inputs = build_model(name, size, dropout)
     torch.manual_seed(0)
     loss_of(model(*inputs)).backward()
     return grads_of(model, inputs)

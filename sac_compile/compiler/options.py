@@ -96,8 +96,9 @@ class PartitionerConfig:
     budget; an int >= 2 or a string such as ``"64MiB"``: bytes per split (inputs and
     parameters are not counted). None: no budget. Read by
     :func:`sac_compile.budgets.check_budget` (a string is stored as its bytes). A
-    :class:`~sac_compile.budgets.PeakBudget` (the same forms inside) caps each split's
-    modelled peak instead of its kept bytes."""
+    :class:`~sac_compile.budgets.PeakBudget` (the same forms inside) caps the step's
+    modelled peak (the split's forward, or its backward with the gradients it makes)
+    instead of its kept bytes."""
 
     solver: Union[str, None] = None
     """The min-cut solver: ``"scipy"`` (compiled Dinic), ``"networkx"``, or None (scipy when
