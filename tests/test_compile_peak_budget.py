@@ -182,6 +182,44 @@ def test_full_peak_budget_is_the_split_without_a_budget(reference):
     assert any("the cut without a budget fits" in n for n in report.notes)
 
 
+class _Broken(torch.nn.Module):
+    """One block, a graph break, two blocks: two different graphs in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fixtures.stack import Block
+        torch.manual_seed(0)
+        self.a, self.b = Block(), torch.nn.Sequential(Block(), Block())
+        sc.sac_region(RELAXED, name="a")(self.a)
+        sc.sac_region(RELAXED, name="b")(self.b)
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y).sum()
+
+
+@pytest.mark.parametrize("cap", [3_000_000, 1_500_000])
+def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
+    """Two graphs split under one PeakBudget each get the whole cap (a known limit): the
+    second graph's report says so with the sum of their modelled step peaks; above the
+    cap, a warning too."""
+    torch._dynamo.reset()
+    reports: list[PartitionReport] = []
+    x = torch.randn(4, 64, 64, requires_grad=True)
+    with caplog.at_level("WARNING", logger="sac_compile"):
+        torch.compile(_Broken(), backend=make_backend(
+            compiler="aot_eager", memory_budget=PeakBudget(cap),
+            on_partition=reports.append))(x).backward()
+    assert len(reports) == 2 and all(r.budget_peak <= cap for r in reports)
+    total = sum(r.budget_peak for r in reports)
+    note = [n for n in reports[1].notes if "held by each compiled graph" in n]
+    assert len(note) == 1 and sc.report.fmt_bytes(total) in note[0]
+    warned = [r for r in caplog.records if "held by each compiled graph" in r.getMessage()]
+    assert (total > cap) == ("above the cap" in note[0]) == (len(warned) == 1), \
+        (total, cap, note)
+
+
 # -- the fast rule against the true cheapest split, small graphs -------------------------------
 
 class _Block(torch.nn.Module):

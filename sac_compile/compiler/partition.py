@@ -106,6 +106,9 @@ class SACPartitioner(CustomPartitionerFn):
         self.delegate_untagged = config.delegate_untagged
         self.offload_options = config.offload.overrides()
         self.last_report: PartitionReport | None = None
+        # Under a PeakBudget: the graphs split so far (op sequence -> modelled step peak):
+        # each is held to the cap on its own (see _peak_over_graphs).
+        self._peak_graphs: dict[str, int] = {}
 
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
@@ -118,6 +121,7 @@ class SACPartitioner(CustomPartitionerFn):
         # rather than making that pickling warn with a traceback.
         state = dict(self.__dict__)
         state["last_report"] = None
+        state["_peak_graphs"] = {}
         if state.get("on_partition") is not None:
             import pickle
             try:
@@ -174,9 +178,40 @@ class SACPartitioner(CustomPartitionerFn):
         report = describe_partition(gm, split, static, solver=self.solver,
                                     timings=clock.timings, cut=cut, plan=plan,
                                     offload_flags=flags, counts=counts)
+        if cut.peak_fit is not None:
+            self._peak_over_graphs(gm, report)
         out = self._emit(report, split)
         clock.lap("report")
         return out
+
+    def _peak_over_graphs(self, gm: fx.GraphModule, report: PartitionReport) -> None:
+        """A PeakBudget caps one graph's step (its forward, then its backward). A second
+        graph split under it (a graph break, another block compiled on its own) may run
+        in the same step, on top of the first's kept values: say so (a warning, once per
+        new graph, and a note), never silently. The same graph again (a recompile at
+        another shape) is not a second graph."""
+        ops = "|".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        key = hashlib.sha256(ops.encode()).hexdigest()[:16]
+        new = key not in self._peak_graphs
+        self._peak_graphs[key] = report.budget_peak or 0
+        if len(self._peak_graphs) < 2:
+            return
+        from ..report import fmt_bytes
+        total = sum(self._peak_graphs.values())
+        cap = report.budget_bytes or 0
+        text = (f"{self.memory_budget.label()} is held by each compiled graph on its own: "
+                f"this partitioner has split {len(self._peak_graphs)} different graphs "
+                f"(graph breaks, or modules compiled one by one); if they run in one step "
+                f"the step can peak at up to the sum of their modelled step peaks, "
+                f"{fmt_bytes(total)}")
+        if total <= cap:
+            report.notes.append(f"{text}, within the cap")
+            return
+        text += (f", above the cap {fmt_bytes(cap)}. Compile the model whole "
+                 f"(fullgraph=True) for one cap over the step, or lower the budget")
+        report.notes.append(text)
+        if new:
+            partition_log.warning("sac_compile: %s", text)
 
     def _emit(self, report: PartitionReport,
               split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
