@@ -247,13 +247,14 @@ def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
     given = (f"{budget.label()} of {fmt_bytes(base.peak)} = {fmt_bytes(cap)}"
              if isinstance(budget.value, float) else f"{budget.label()}")
     return BudgetUnreachableError(
-        f"sac_compile: {given} cannot be met: the least modelled peak found for this "
+        f"sac_compile: {given} cannot be met: the least modelled step peak found for this "
         f"forward/backward split is {fmt_bytes(low.peak)}, keeping "
         f"{fmt_bytes(low.kept_bytes)} of activations ({len(tried)} kept-byte budgets tried, "
-        f"down to the least reachable; without a budget the split peaks at "
+        f"down to the least reachable; without a budget the step peaks at "
         f"{fmt_bytes(base.peak)}). To fix: raise it to at least {fmt_bytes(low.peak)}: "
         f"memory_budget={proposed!r}, or let more be recomputed "
-        f"(policies.relaxed(policy) relaxes MUST_SAVE to PREFER_SAVE); the peak also holds "
-        f"the backward's own working values, which no cut removes.",
+        f"(policies.relaxed(policy) relaxes MUST_SAVE to PREFER_SAVE); the step's peak also "
+        f"holds the backward's own working values and the gradients it makes, which no cut "
+        f"removes.",
         budget=budget, least_bytes=int(low.peak), unconstrained_bytes=int(base.peak),
         proposed_budget=proposed)
