@@ -39,11 +39,11 @@ TORCH_BUDGETS = (1.0, 0.7, 0.5, 0.3)
 
 
 def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:8.2f}"
+    return f"{'-':>8s}" if n is None else f"{n / 2**20:8.2f}"
 
 
 def _gf(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:6.2f}"
+    return f"{'-':>6s}" if n is None else f"{n / 1e9:6.2f}"
 
 
 def row(model: str, label: str, p: StepPoint) -> str:
