@@ -76,7 +76,9 @@ class MemoryPeak:
     parameters, and the gradients handed back to autograd (the backward's outputs).
     ``with_gradients`` (compile; None otherwise): the same walk with the gradients the
     backward hands back counted too, from the node that makes each until the step's end
-    (they outlive the backward): the step's peak above its start as an allocator sees it,
+    (they outlive the backward), and ops' own temporaries (a matmul's copy of an operand
+    BLAS cannot read, :mod:`.compiler.op_temporaries`): the step's peak above its start
+    as an allocator sees it,
     when the graphs run in this order (``aot_eager``; ``sac_compile.measured_peak`` measures
     it), the larger of the forward's and this backward's.
     ``at_peak``: what is alive at the peak, as ``(kind, region, bytes)``: kind ``forward``,

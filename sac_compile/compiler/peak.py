@@ -41,6 +41,7 @@ from ..report import MemoryPeak
 from ..cut import costs
 from ..cut.roles import Role, node_role
 from ..torch_internals import OpOverload, pytree
+from .op_temporaries import operand_copy_bytes
 
 __all__ = ["estimate_peak", "cut_peak", "cut_peaks", "read_only_by_fusible", "storage_base"]
 
@@ -83,25 +84,6 @@ def storage_base(node: fx.Node) -> fx.Node:
             return node
         node, seen = src, seen + 1
     return node  # pragma: no cover - a cycle cannot happen in an FX graph
-
-
-_ADDMM = torch.ops.aten.addmm.default
-_MATMULS = (torch.ops.aten.mm.default, _ADDMM, torch.ops.aten.bmm.default)
-
-
-def _blas_readable(t: torch.Tensor) -> bool:
-    """BLAS reads a matrix (the last two dimensions) in place when it is row-major or
-    column-major with a valid leading dimension."""
-    try:
-        if t.dim() < 2:
-            return True
-        (rows, cols), (s_row, s_col) = t.shape[-2:], t.stride()[-2:]
-        rows, cols, s_row, s_col = int(rows), int(cols), int(s_row), int(s_col)
-        if t.dim() == 3 and int(t.shape[0]) > 1 and int(t.stride()[0]) == 0:
-            return False
-        return (s_col == 1 and s_row >= max(1, cols)) or (s_row == 1 and s_col >= max(1, rows))
-    except Exception:  # a symbolic stride without a hint
-        return True
 
 
 def _tensors(val: Any) -> list[Any]:
@@ -170,17 +152,9 @@ class _Walk:
         return out
 
     def _operand_copies(self, n: fx.Node, pos: int) -> None:
-        """A matmul copies an operand BLAS cannot read in place (neither row- nor
-        column-major: an expanded gradient, stride 0) into a contiguous temporary, alive
-        while the op runs (``addmm_impl_cpu_``; cuBLAS's callers do the same): one storage
-        made and freed at ``pos``."""
-        if n.op != "call_function" or n.target not in _MATMULS:
-            return
-        copies = 0
-        for a in n.args[-2:] if n.target is not _ADDMM else n.args[1:3]:
-            val = graph_meta.val(a) if isinstance(a, fx.Node) and graph_meta.has_val(a) else None
-            if isinstance(val, torch.Tensor) and not _blas_readable(val):
-                copies += int(val.numel()) * val.element_size()
+        """The op's own temporaries (:mod:`.op_temporaries`): one storage made and freed
+        at ``pos``, counted in the step only (:func:`_temporary`)."""
+        copies = operand_copy_bytes(n)
         if copies:
             key = (n.name, -1)
             self.made_at[key], self.size[key], self.last[key] = pos, copies, pos
@@ -246,13 +220,14 @@ def _counters(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.N
     on_device = any(d != "cpu" for d in fw_walk.device.values())
 
     def fw_counted(k: Key) -> bool:
-        return k[0] not in fw_walk.given_names and (not on_device or fw_walk.device[k] != "cpu")
+        return k[0] not in fw_walk.given_names and not _temporary(k) and \
+            (not on_device or fw_walk.device[k] != "cpu")
 
     shared: dict[str, Key] = {}  # joint storage base -> the first kept value on it
 
     def bw_counted(k: Key) -> bool:
         node = bw_walk.maker[k]
-        if on_device and bw_walk.device[k] == "cpu":
+        if _temporary(k) or (on_device and bw_walk.device[k] == "cpu"):
             return False
         if node.name not in bw_walk.given_names:
             return k not in bw_walk.outputs  # gradients handed back are autograd's
@@ -284,63 +259,32 @@ def _split_walks(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.N
                                                                      bw_counted)
 
 
+def _temporary(k: Key) -> bool:
+    """An op's own temporary (:meth:`_Walk._operand_copies`), not a value."""
+    return k[1] == -1
+
+
 def _with_gradients(fw_walk: _Walk, bw_walk: _Walk, bw_counted: Callable[[Key], bool]
                     ) -> Callable[[Key], bool]:
     """What the backward walk counts for the step as an allocator sees it: also the
     gradients it hands back, which the backward allocates and which outlive it (outputs
-    live to the walk's end already)."""
+    live to the walk's end already), and ops' temporaries."""
     on_device = any(d != "cpu" for d in fw_walk.device.values())
 
     def counted(k: Key) -> bool:
-        return bw_counted(k) or (k in bw_walk.outputs and
-                                 bw_walk.maker[k].name not in bw_walk.given_names and
-                                 (not on_device or bw_walk.device[k] != "cpu"))
+        return bw_counted(k) or ((_temporary(k) or (
+            k in bw_walk.outputs and bw_walk.maker[k].name not in bw_walk.given_names))
+            and (not on_device or bw_walk.device[k] != "cpu"))
 
     return counted
 
 
-def _regrad_tail(walk: _Walk, counted: Callable[[Key], bool],
-                 grads: Iterable[tuple[Any, Any]]) -> int:
-    """The step's end as autograd's ``AccumulateGrad`` sees it: every gradient handed back
-    alive (what ``counted`` counts among the walk's outputs), plus one copy of the largest
-    gradient it cannot take as it is - whose strides differ from its input's (a transposed
-    weight gradient: ``AccumulateGrad`` clones it into the parameter's layout, then drops
-    the original, one at a time). ``grads``: (gradient node or None, its input's value)."""
-    end = sum(walk.size[k] for k in walk.outputs if counted(k))
-    if end == 0:
-        return 0
-    clone = 0
-    for g, primal in grads:
-        if not isinstance(g, fx.Node) or not isinstance(primal, torch.Tensor):
-            continue
-        val = graph_meta.val(g) if graph_meta.has_val(g) else None
-        keys = [k for k in walk.keys.get(g, ()) if k is not None and counted(k)]
-        if not isinstance(val, torch.Tensor) or not keys or \
-                _same_layout(val, primal):
-            continue
-        clone = max(clone, costs._tensor_bytes(val))
-    return end + clone
-
-
-def _same_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:
-    """AccumulateGrad's layout contract (``obeys_layout_contract``): a gradient it may keep
-    as it is has the input's strides on every dimension longer than 1 (or is contiguous,
-    when the input is not dense)."""
-    try:
-        if grad.shape != param.shape:
-            return True  # (not a leaf's gradient as such: nothing to say)
-        if not param.is_non_overlapping_and_dense():
-            return bool(grad.is_contiguous())
-        return all(int(n) == 1 or int(a) == int(b) for n, a, b in
-                   zip(grad.shape, grad.stride(), param.stride()))
-    except Exception:  # a symbolic stride without a hint: assume it is taken as it is
-        return True
-
-
-def _primals(nodes: Iterable[fx.Node]) -> list[Any]:
-    """The forward inputs' values, in order (a gradient output per each)."""
-    return [graph_meta.val(n) if graph_meta.has_val(n) else None for n in nodes
-            if n.op == "placeholder" and node_role(n).is_forward_input]
+def _with_temporaries(walk: _Walk, counted: Callable[[Key], bool]) -> Callable[[Key], bool]:
+    """``counted`` and the ops' temporaries (the forward of the step as an allocator sees
+    it)."""
+    on_device = any(d != "cpu" for d in walk.device.values())
+    return lambda k: counted(k) or (_temporary(k) and (not on_device or
+                                                       walk.device[k] != "cpu"))
 
 
 def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
@@ -353,20 +297,12 @@ def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.No
     fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
     forward = fw_walk.sweep(lambda k: fw_counted(k) and k not in fw_away)[0]
     backward = bw_walk.sweep(lambda k: bw_counted(k) and k not in bw_away)[0]
+    fw_step = _with_temporaries(fw_walk, fw_counted)
     step_counted = lambda k: grads_counted(k) and k not in bw_away  # noqa: E731
-    step = max(bw_walk.sweep(step_counted)[0],
-               _regrad_tail(bw_walk, step_counted, _bw_grads(bw, by_name)))
+    step = max(fw_walk.sweep(lambda k: fw_step(k) and k not in fw_away)[0],
+               bw_walk.sweep(step_counted)[0])
     return MemoryPeak(forward, backward, "backward" if backward >= forward else "forward",
-                      with_gradients=max(forward, step))
-
-
-def _bw_grads(bw: fx.GraphModule, by_name: dict[str, fx.Node]) -> list[tuple[Any, Any]]:
-    """(gradient node of ``bw``, its forward input's value), for a split of the joint graph
-    whose nodes are ``by_name``: the backward hands back one gradient per forward input."""
-    out = bw.graph.output_node().args[0]
-    grads = list(out) if isinstance(out, (list, tuple)) else [out]
-    primals = _primals(by_name.values())
-    return list(zip(grads, primals)) if len(grads) == len(primals) else []
+                      with_gradients=step)
 
 
 def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
@@ -376,8 +312,8 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
     fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
     fw_peak, fw_pos, fw_live = fw_walk.sweep(fw_counted)
     bw_peak, bw_pos, bw_live = bw_walk.sweep(bw_counted)
-    with_grads = max(bw_walk.sweep(grads_counted)[0],
-                     _regrad_tail(bw_walk, grads_counted, _bw_grads(bw, by_name)))
+    with_grads = max(fw_walk.sweep(_with_temporaries(fw_walk, fw_counted))[0],
+                     bw_walk.sweep(grads_counted)[0])
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
 
     def label(walk: _Walk, k: Key, phase: str) -> tuple[str, str]:
@@ -409,7 +345,7 @@ def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule)
         node = walk.nodes[pos]
         after = f"{node.name} ({costs.op_label(node)})" if node.op == "call_function" \
             else node.name
-    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak, max(fw_peak, with_grads),
+    return MemoryPeak(fw_peak, bw_peak, phase, after, at_peak, with_grads,
                       _fused_peak(fw, bw, by_name))
 
 
@@ -505,8 +441,8 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
     bw_walk = _Walk(bw_seq, given=[*kept, *tangents],
                     outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
-    tail = 0
     if with_gradients:
+        fw_counted = _with_temporaries(fw_walk, fw_counted)
         bw_counted = _with_gradients(fw_walk, bw_walk, bw_counted)
     if fused:
         from ..torch_internals import get_default_op_list
@@ -515,6 +451,4 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
         fw_all, bw_all = fw_counted, bw_counted
         fw_counted = lambda k: fw_all(k) and k not in fw_away  # noqa: E731
         bw_counted = lambda k: bw_all(k) and k not in bw_away  # noqa: E731
-    if with_gradients:
-        tail = _regrad_tail(bw_walk, bw_counted, zip(cls.bwd_outputs, _primals(graph.nodes)))
-    return fw_walk.sweep(fw_counted)[0], max(bw_walk.sweep(bw_counted)[0], tail)
+    return fw_walk.sweep(fw_counted)[0], bw_walk.sweep(bw_counted)[0]
