@@ -220,6 +220,46 @@ def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
         (total, cap, note)
 
 
+def test_a_byte_budget_holds_at_every_size_under_dynamic_shapes():
+    """``dynamic=True``: the split solved at batch 4 served every batch, and PeakBudget
+    (3,000,000) measured 5,046,280 B at batch 8 and 7,536,648 B at batch 12. Now a byte
+    budget's split is guarded to sizes up to its hints: batch 8 compiles its own split
+    (within the cap, measured), batch 2 reuses the first, and batch 12, which no split of
+    this stack fits in 3,000,000 B, raises BudgetUnreachableError instead of running over."""
+    torch._dynamo.reset()
+    model = Stack(6, policy=RELAXED)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, dynamic=True, backend=make_backend(
+        compiler="aot_eager", memory_budget=PeakBudget(3_000_000),
+        on_partition=reports.append))
+    measured = {}
+    for batch in (4, 8, 2):
+        x = torch.randn(batch, 64, 64, requires_grad=True)
+        step_peak(fn, list(model.parameters()), [x])  # compiles where the guard fails
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        with measured_peak() as m:
+            fn(x).backward()
+        measured[batch] = m.bytes
+    assert len(reports) == 2 and all(r.budget_peak <= 3_000_000 for r in reports)
+    assert all(n <= 3_000_000 + 16 for n in measured.values()), measured
+    assert measured[8] > measured[4] > measured[2]
+    with pytest.raises(BudgetUnreachableError):
+        fn(torch.randn(12, 64, 64, requires_grad=True)).backward()
+
+
+def test_a_fractional_budget_adds_no_size_guard():
+    """A fraction scales with the sizes: one split serves every batch."""
+    torch._dynamo.reset()
+    model = Stack(2, policy=RELAXED)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, dynamic=True, backend=make_backend(
+        compiler="aot_eager", memory_budget=PeakBudget(0.95), on_partition=reports.append))
+    for batch in (4, 8, 12):
+        fn(torch.randn(batch, 64, 64, requires_grad=True)).backward()
+    assert len(reports) == 1
+
+
 # -- the fast rule against the true cheapest split, small graphs -------------------------------
 
 class _Block(torch.nn.Module):

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
+from ..op_costs import hint
 
 __all__ = ["operand_copy_bytes"]
 
@@ -28,20 +29,21 @@ def operand_copy_bytes(node: fx.Node) -> int:
     for a in node.args[1:3] if node.target is _ADDMM else node.args[-2:]:
         val = graph_meta.val(a) if isinstance(a, fx.Node) and graph_meta.has_val(a) else None
         if isinstance(val, torch.Tensor) and not _blas_readable(val):
-            copies += int(val.numel()) * val.element_size()
+            copies += hint(val.numel(), fallback=0) * val.element_size()
     return copies
 
 
 def _blas_readable(t: torch.Tensor) -> bool:
     """BLAS reads a matrix (the last two dimensions) in place when it is row-major or
-    column-major with a valid leading dimension (and a batch not broadcast)."""
-    try:
-        if t.dim() < 2:
-            return True
-        (rows, cols), (s_row, s_col) = t.shape[-2:], t.stride()[-2:]
-        rows, cols, s_row, s_col = int(rows), int(cols), int(s_row), int(s_col)
-        if t.dim() == 3 and int(t.shape[0]) > 1 and int(t.stride()[0]) == 0:
-            return False
-        return (s_col == 1 and s_row >= max(1, cols)) or (s_row == 1 and s_col >= max(1, rows))
-    except Exception:  # a symbolic stride without a hint: assume it is read in place
+    column-major with a valid leading dimension (and a batch not broadcast). Sizes are
+    read by their hints: never a guard on a symbolic size (that would specialise it)."""
+    if t.dim() < 2:
         return True
+    rows, cols = (hint(n, fallback=-1) for n in t.shape[-2:])
+    s_row, s_col = (hint(s, fallback=-1) for s in t.stride()[-2:])
+    if -1 in (rows, cols, s_row, s_col):  # no hint: assume it is read in place
+        return True
+    if t.dim() == 3 and hint(t.shape[0], fallback=1) > 1 and \
+            hint(t.stride()[0], fallback=1) == 0:
+        return False
+    return (s_col == 1 and s_row >= max(1, cols)) or (s_row == 1 and s_col >= max(1, rows))
