@@ -177,6 +177,13 @@ def test_budget_forms():
     for bad in ("0", "0.0", "-3", "inf", "nan", "half", "3 parsecs"):
         with pytest.raises(UsageError, match="--budget"):
             parse_budget(bad)
+    # peak:X is a PeakBudget (the step's peak), in the same forms
+    from sac_compile import PeakBudget
+    assert parse_budget("peak:64MiB") == PeakBudget(64 * 2**20)
+    assert parse_budget("PEAK:0.8") == PeakBudget(0.8)
+    for bad in ("peak:1", "peak:", "peak:lots"):
+        with pytest.raises(UsageError, match="--budget peak:"):
+            parse_budget(bad)
 
 
 def test_unknown_policy(capsys):

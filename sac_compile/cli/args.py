@@ -70,6 +70,7 @@ examples:
   python -m sac_compile report --model hf:llama    # HF Llama from a small config (no download)
   python -m sac_compile report --budget 0.5         # half of what ours saves unconstrained
   python -m sac_compile report --budget 64MiB       # an absolute byte count
+  python -m sac_compile report --budget peak:40MiB  # cap the step's peak (compiled)
 """
 
 _EXPLAIN_EPILOG = """\
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", default="0.5", metavar="X",
         help="memory budget of the 'ours budget' row: a fraction in (0, 1] of the activation "
              "bytes our partition saves without a budget (default 0.5), or a byte count such "
-             "as 65536, 512KiB, 64MiB (per forward/backward split); that row relaxes the "
+             "as 65536, 512KiB, 64MiB (per forward/backward split); peak:64MiB caps the "
+             "step's peak instead (PeakBudget: compiled only); that row relaxes the "
              "policy's MUSTs to PREFERs so the budget can evict them")
     rep.add_argument(
         "--steps", type=int, default=None, metavar="N",
@@ -166,13 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-def parse_budget(text: str) -> float | int:
-    """``"0.5"``, ``"1.0"`` -> a fraction in (0, 1]; ``"65536"``, ``"64MiB"`` -> bytes (int).
-    The same rule as ``memory_budget`` in Python
+def parse_budget(text: str) -> Any:
+    """``"0.5"``, ``"1.0"`` -> a fraction in (0, 1]; ``"65536"``, ``"64MiB"`` -> bytes (int);
+    ``"peak:64MiB"`` (or ``peak:0.8``) -> a :class:`~sac_compile.budgets.PeakBudget`, a cap
+    on the step's peak. The same rule as ``memory_budget`` in Python
     (:func:`sac_compile.budgets.parse_budget_text`): ``"1"`` is refused (100% or
     one byte?), as are 0, negatives and floats above 1."""
-    from ..budgets import parse_budget_text
+    from ..budgets import PeakBudget, parse_budget_text
+    peak = text.strip().lower().startswith("peak:")
     try:
+        if peak:
+            return PeakBudget(parse_budget_text(text.strip()[5:], what="--budget peak:"))
         return parse_budget_text(text, what="--budget")
     except ValueError as e:
         raise UsageError(str(e)) from None

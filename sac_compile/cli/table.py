@@ -75,7 +75,8 @@ def meta(cfg: ReportConfig, elapsed: float) -> dict[str, Any]:
     n_params = sum(p.numel() for p in as_blocked_model(t.fn).parameters())
     return {
         "model": t.label, "size": t.size, "policy": cfg.policy_label,
-        "budget": cfg.budget, "device": cfg.device, "steps": cfg.steps, "seed": cfg.seed,
+        "budget": repr(cfg.budget) if hasattr(cfg.budget, "label") else cfg.budget,
+        "device": cfg.device, "steps": cfg.steps, "seed": cfg.seed,
         "parameters": n_params,
         "inputs": [list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in t.inputs],
         "blocks": len(as_blocked_model(t.fn).blocks),
