@@ -139,3 +139,38 @@ def test_must_save_never_leaves_the_device_nor_is_recomputed_under_a_budget():
     assert "aten.mm.default" not in _offloaded_ops(cap)
     assert "aten.mm.default" not in r.recomputed
     assert all(s.op != "aten.mm.default" for s in r.saved if s.on_host)
+
+
+def test_cost_model_for_a_device_takes_its_rates():
+    """``CostModel.for_device``: a preset's roofline ratio and link (opt-in; the default
+    CostModel keeps its ratios). The wide block at 4,096 rows: on an H100 (295 FLOPs per
+    byte) recomputing a matmul takes less time than moving its 128 MiB output over PCIe
+    and back, so a budget recomputes the matmuls; at the default rates (8 FLOPs per byte)
+    it offloads them."""
+    from sac_compile.cut.device_rates import PRESETS, rates_for
+    h100 = CostModel.for_device("h100")
+    assert h100.flops_per_byte == PRESETS["h100"].flops / PRESETS["h100"].memory_bandwidth
+    assert (h100.device_memory_bandwidth, h100.host_device_bandwidth) == (3.35e12, 50e9)
+    assert CostModel.for_device("h100", recompute_weight=0.5).recompute_weight == 0.5
+    assert rates_for("cpu") is PRESETS["cpu"] and rates_for(torch.device("meta")) is None
+    with pytest.raises(ValueError, match="no rates for this device"):
+        CostModel.for_device(torch.device("meta"))
+
+    def split(cost_model):
+        @sac_region(prefer_save_matmuls, name="Wide")
+        def block(x, w1, w2):
+            return (torch.relu(x @ w1).sin() @ w2).cos().sum()
+
+        args = (torch.randn(4096, 8192, device="meta", requires_grad=True),
+                torch.randn(8192, 8192, device="meta", requires_grad=True),
+                torch.randn(8192, 8192, device="meta", requires_grad=True))
+        backend, cap = capturing_backend(memory_budget=0.3, cost_model=cost_model)
+        _compile_and_run_on_meta(block, backend, *args)
+        return cap
+
+    on_h100, default = split(h100), split(CostModel())
+    assert "aten.mm.default" not in _offloaded_ops(on_h100)
+    assert on_h100.report.recompute_flops >= 2 * 4096 * 8192 * 8192
+    if importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops"):
+        assert "aten.mm.default" in _offloaded_ops(default)
+        assert default.report.recompute_flops < 2 * 4096 * 8192 * 8192

@@ -97,6 +97,21 @@ class CostModel:
     # Under a memory budget, untagged ops that upstream's heuristics would never recompute
     # (compute intensive, reductions, off its allowlist) may be recomputed, at their cost.
     budget_lifts_upstream_bans: bool = True
+    @classmethod
+    def for_device(cls, device: Any, **overrides: Any) -> CostModel:
+        """The cost model of a device's rates (:mod:`.device_rates`: a preset name such as
+        ``"h100"``, or a ``torch.device`` detected by its product name). ``overrides``:
+        other fields."""
+        from .device_rates import DeviceRates, rates_for
+        rates = device if isinstance(device, DeviceRates) else rates_for(device)
+        if rates is None:
+            raise ValueError(f"CostModel.for_device({device!r}): no rates for this device; "
+                             f"pass a preset name (sac_compile.cut.device_rates.PRESETS) or "
+                             f"a DeviceRates")
+        fields = dict(flops_per_byte=rates.flops_per_byte,
+                      device_memory_bandwidth=rates.memory_bandwidth,
+                      host_device_bandwidth=rates.host_link)
+        return cls(**{**fields, **overrides})
 
     def recompute_cost(self, node: fx.Node) -> float:
         return self.recompute_weight * (costs.flops(node) / self.flops_per_byte
