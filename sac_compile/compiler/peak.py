@@ -20,12 +20,10 @@ code, which frees each value after its last use and the backward's inputs as con
 * only device bytes: where the graph has values on an accelerator, host copies (offload)
   are not counted.
 
-Inductor may reorder and fuse the backward further (and keeps fewer intermediates); the
-model is the order of the graphs as extracted, the same for every compiler. ``peak.fused``
-is the same walk as Inductor allocates (torch's partitioner's ``is_materialized`` rule:
-a fusible value read only by fusible ops is computed inside their kernels); its reuse of
-buffers and its reordering are not modelled (``benchmarks/peak_measured.py`` measures
-both against the allocator).
+The order is the graphs' as extracted. ``peak.fused``: the walk as Inductor allocates
+(torch's ``is_materialized`` rule: a fusible value read only by fusible ops is computed in
+their kernels); its buffer reuse and reordering are not modelled
+(``benchmarks/peak_measured.py`` measures both against the allocator).
 """
 from __future__ import annotations
 
