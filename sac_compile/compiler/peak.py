@@ -278,11 +278,9 @@ def _with_gradients(fw_walk: _Walk, bw_walk: _Walk, bw_counted: Callable[[Key], 
 
 
 def _with_temporaries(walk: _Walk, counted: Callable[[Key], bool]) -> Callable[[Key], bool]:
-    """``counted`` and the ops' temporaries (the forward of the step as an allocator sees
-    it)."""
+    """``counted`` and the ops' temporaries (the step's forward, as an allocator sees it)."""
     on_device = any(d != "cpu" for d in walk.device.values())
-    return lambda k: counted(k) or (_temporary(k) and (not on_device or
-                                                       walk.device[k] != "cpu"))
+    return lambda k: counted(k) or (_temporary(k) and not (on_device and walk.device[k] == "cpu"))
 
 
 def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
