@@ -135,15 +135,11 @@ def upstream_aot_eager(figures: PartitionFigures,
                        after: Callable[[Any, Any], None] | None = None) -> Callable[..., Any]:
     """``aot_eager`` with torch's partitioner, recording each split as the report does;
     ``after(fw, bw)`` is called with each split's graphs."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+    from ..torch_internals import AotAutograd, boxed_nop
 
     def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         fw, bw = _record_upstream(figures, gm, joint_inputs, **kwargs)
         if after is not None:
             after(fw, bw)
         return fw, bw
-
-    def boxed(gm: torch.fx.GraphModule, _: Any) -> Any:
-        return make_boxed_func(gm.forward)
-    return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
+    return AotAutograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
