@@ -144,12 +144,14 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
             part = (f"what the step has left ({max(int(left), 0):,} B) less the "
                     f"{int(reserve):,} B its calls still to come at the price keep")
         else:
-            to_run = set(model.members) - steps.ran
-            parts = max(1, len(to_run) + (run.region in steps.ran))
+            to_run = len(set(model.members) - steps.ran)
+            again = run.region in steps.ran  # its later calls share with those to come
+            parts = max(1, to_run + again)
             cap = max(left, 0.0) / parts
+            over = f"{to_run} region{'s' if to_run != 1 else ''} not yet run" + (
+                " and this one again" if again else "")
             part = (f"its part of what the step has left ({int(cap):,} B: "
-                    f"{max(int(left), 0):,} B over {parts} part{'s' if parts > 1 else ''}: "
-                    f"the regions not yet run{', and this one again' if run.region in steps.ran else ''})")
+                    f"{max(int(left), 0):,} B over {over})")
         price = solve_shared_price([rg.net], cap, or_least=True)
         cut, free = price.cuts[0], price.unconstrained[0]
         labels = {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}
