@@ -50,6 +50,9 @@ class Cut:
     floor: Floor = Floor()
     peak_fit: PeakFit | None = None            # under a PeakBudget: how it was met
     unfused: Unfused = Unfused()  # under Inductor: kept values it would fuse away, dropped
+    # under a byte budget with symbolic sizes: the guards keeping them at most their hints
+    # (.size_guards), and the sizes that could not be guarded
+    size_guards: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
 def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
@@ -113,9 +116,23 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
     else:
         res, floor, dropped = lowering_peak(
             lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
+    guards = ((), ())
+    if _caps_bytes(memory_budget, regions):  # priced at the size hints: hold them there
+        from .size_guards import guard_sizes_at_most_hints
+        added, left = guard_sizes_at_most_hints(v for v in net.cls.nodes
+                                                if v.op != "placeholder")
+        guards = (tuple(added), tuple(left))
     return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
-               unfused=dropped)
+               unfused=dropped, size_guards=guards)
+
+
+def _caps_bytes(memory_budget: Any, regions: list[Any]) -> bool:
+    """Whether a cap in bytes applies: the partitioner's, a region's or a whole model's."""
+    if isinstance(memory_budget, int) and not isinstance(memory_budget, bool):
+        return True
+    return any(not g.torch_meaning and (g.model is not None or
+                                        not isinstance(g.fraction, float)) for g in regions)
 
 
 def _marked_offload(node: fx.Node) -> bool:
