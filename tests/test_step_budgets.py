@@ -66,6 +66,25 @@ def test_eager_block_skipped_in_the_recording_step_is_not_given_budget_silently(
     assert all("2 calls of 2 regions" in n for n in notes), notes
 
 
+def test_eager_steps_alternating_batch_sizes_keep_each_sizes_price():
+    """Eager plans per shape: batch 2 then 4 then 2 again, budget 8,192 B. Each size's
+    first step records (within the budget), and later steps reuse that size's price: no
+    step keeps more than the budget, and the third and fourth steps solve nothing."""
+    from fixtures.step_models import TwoBlocks
+    reference, model = models(TwoBlocks, 8192)
+    steps = model.blocks[0]._sac_regions[0].frame.budget.model
+    for i, batch in enumerate((2, 4, 2, 4)):
+        x = torch.randn(batch, 8, 32)
+        with collect_stats() as stats:
+            got = grads(model, x)
+        _check(got, grads(reference, x))
+        assert sum(per_region(stats.saved).values()) <= 8192, (batch, stats.saved)
+        if i >= 2:
+            assert all("kept by 2 calls of 2 regions" in n for n in stats.budget_notes)
+    model(X)  # (the fourth step ends)
+    assert len(steps.eager.prices) == 2
+
+
 # -- blocks compiled one by one ----------------------------------------------------------
 
 def _per_block(model):

@@ -23,12 +23,14 @@ __all__ = ["counted"]
 
 def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
     """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
-    Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run)."""
+    Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
+    holding every block of a model is one cap over all its calls: not counted."""
     from .. import graph_meta
-    from ..region_groups import group_of_token
+    from ..region_groups import group_of_token, name_in_graph
     from .regions_compiled import _CHECKPOINT_HOP, context_fn_kind
     found: collections.Counter = collections.Counter()
     models: dict[int, Any] = {}
+    names: dict[int, set[str]] = collections.defaultdict(set)
     for owner in gm.modules():
         if not isinstance(owner, torch.fx.GraphModule):
             continue
@@ -38,13 +40,16 @@ def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
             if context_fn_kind(context_fn) != "region":
                 continue
             try:
-                budget = group_of_token(context_fn.args[0]).budget
+                group = group_of_token(context_fn.args[0])
             except KeyError:
                 continue
+            budget = group.budget
             if budget is not None and budget.model is not None:
                 models[id(budget.model)] = budget.model
                 found[(id(budget.model), budget.kind)] += 1
-    return [(models[m], kind, n) for (m, kind), n in found.items()]
+                names[id(budget.model)].add(name_in_graph(group, node))
+    return [(models[m], kind, n) for (m, kind), n in found.items()
+            if not names[m] >= set(models[m].members)]
 
 
 def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
