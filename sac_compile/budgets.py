@@ -21,6 +21,7 @@ regions with different budgets never share a split.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -93,12 +94,14 @@ class ModelBudget:
         self.provisional: set[str] = set()
         self.rekey: set[str] = set()
         self.recompiles = 0
+        # Compiled blocks' region calls counted in this step (compiler/budget_runs.py), and
+        # the most a step made of each kind once more than its blocks (a block run twice).
+        self.graph_runs: collections.Counter = collections.Counter()
+        self.calls: dict[str, int] = {}
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
         self.unconstrained: dict[str, int] = {}   # region name -> bytes without a budget
-        self.pending: list[Any] = []              # regions recorded, awaiting the price
-        self.plans: dict[Any, Any] = {}           # eager: signature -> plan at the price
-        self.head: Any = None                     # the first region recorded in a step
+        self.eager: Any = None                    # eager steps and prices (runtime/model_budget.py)
         self.notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -110,6 +113,15 @@ class ModelBudget:
     def count(self, kind: str) -> int:
         """How many members are of ``kind``."""
         return sum(1 for k in self.kinds if k == kind)
+
+    def calls_of(self, kind: str) -> int:
+        """How many calls of ``kind`` a step makes, as far as known: its blocks, or more
+        once a step ran more (compiled blocks; :mod:`sac_compile.cut.model_price`)."""
+        return max(self.count(kind), self.calls.get(kind, 0))
+
+    def step_calls(self) -> int:
+        """All the calls a step makes of the members, as far as known."""
+        return sum(self.calls_of(k) for k in set(self.kinds))
 
     def kind_of(self, name: str) -> str:
         return self.kinds[self.members.index(name)] if name in self.members else ""
@@ -177,6 +189,8 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
             return None
         share = "even" if shares is None or pending else repr(shares.get(budget.kind))
         text += f"|model of {len(model.members)}|kind={budget.kind}|share={share}"
+        if model.calls:  # a step runs some blocks more than once: a smaller even split
+            text += f"|calls={sorted(model.calls.items())!r}"
     return text
 
 

@@ -252,13 +252,22 @@ def regroup_by_decisions(group: RegionGroup, traced: str,
 
 
 class BudgetStep:
-    """A forward pre-hook on the model of a whole-model budget with blocks of several kinds
-    (``apply_regions``): a call of the model is a new step. Blocks compiled one by one
-    arrive one kind at a time, and each is first compiled at the even split of the budget
-    (:mod:`sac_compile.cut.model_price`); once every kind was compiled the price is known,
-    and here, at the start of the next step - never within a step, which would mix the two
-    splits - the kinds compiled before it get new tokens: Dynamo compiles each once more,
-    at its share (logged, counted in ``ModelBudget.recompiles``)."""
+    """A forward pre-hook on the model of a whole-model budget (``apply_regions``): a call
+    of the model is a new step, and the budget caps what a step's region calls keep.
+
+    * Eager: the step that ended is priced if a call of it was not at a plan
+      (:func:`sac_compile.runtime.model_budget.end_step`).
+    * Blocks compiled one by one: their graphs' runs were counted
+      (:mod:`sac_compile.compiler.budget_runs`); kinds that ran more calls than the split
+      assumed are compiled again (:func:`sac_compile.cut.model_price.count_step`). Blocks of
+      several kinds arrive one kind at a time, each first compiled at the even split; once
+      every kind was compiled the price is known. Either way the kinds whose split changes
+      get new tokens here, at the start of a step - never within one, which would mix two
+      splits - and Dynamo compiles each once more (logged, counted in
+      ``ModelBudget.recompiles``).
+
+    Under a compile of the whole model the hook is traced and does nothing: one graph
+    holds every call of the step, under one cap."""
 
     def __init__(self, budget: Any) -> None:
         self.budget = budget
@@ -273,7 +282,11 @@ class BudgetStep:
     def __call__(self, module: Any, args: Any) -> None:
         if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
             return None
+        from .cut.model_price import count_step
+        from .runtime.model_budget import end_step
         budget = self.budget
+        end_step(budget)
+        count_step(budget)
         if budget.rekey:
             _rekey(budget)
         return None
@@ -298,10 +311,11 @@ def _rekey(model: Any) -> None:
         model.recompiles += len(groups)
         _allow_recompiles()
     if groups:
-        log.info("sac_compile: whole-model memory budget %r: the price per byte was found "
-                 "once every kind of block was compiled; %d kinds compiled at the even split "
-                 "before it are compiled once more, at their shares (%s)", model, len(groups),
-                 ", ".join(g.name for g in groups))
+        log.info("sac_compile: whole-model memory budget %r: %d kinds of block compiled "
+                 "once more, at their shares (%s): %s", model, len(groups),
+                 ", ".join(g.name for g in groups),
+                 "the price per byte was found once every kind of block was compiled"
+                 if model.kind_share is not None else "the calls per step changed")
 
 
 _RAISED = [False]

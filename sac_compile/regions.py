@@ -206,9 +206,11 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
     kinds = tuple(module_kind(module) for _, module in found)
     shared = ModelBudget(budget.value, tuple(names), kinds) \
         if budget is not None and not isinstance(budget.value, float) else None
-    if shared is not None and len(set(kinds)) > 1:
-        # Blocks compiled one by one find the price once every kind was compiled; the
-        # kinds compiled before it are compiled again at the next call of the model.
+    if shared is not None:
+        # A call of the model is a step: the budget caps what a step's region calls keep
+        # together (eager: its calls are counted and priced when it ends; blocks compiled
+        # one by one: their graphs' runs are counted, and kinds whose split changes are
+        # compiled again at the next call, never within a step).
         model.register_forward_pre_hook(BudgetStep(shared))
     for (path, module), region_name, kind in zip(found, names, kinds):
         own = RegionBudget(budget.value, shared, kind if shared is not None else "") \

@@ -26,6 +26,7 @@ import torch
 from ..report import PartitionReport
 from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInductorWrapper,
                                get_hash_for_files)
+from .budget_runs import counted
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
 from .near_fusion import near_fusion_patches
@@ -62,7 +63,7 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
                                        {**default_options, **(options or {})} or None)
             _let_caches_serve(gm, partitioner)
             with sac_partitioning(), _closing_checkpoints_on_error():
-                return compile_fx(gm, example_inputs, config_patches=patches)
+                return counted(gm, compile_fx(gm, example_inputs, config_patches=patches))
 
         backend = sac_inductor
     elif compiler == "aot_eager":
@@ -110,7 +111,7 @@ class _SACAotAutograd(AotAutograd):
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         _let_caches_serve(gm, self.kwargs["partition_fn"])
         with sac_partitioning(), _closing_checkpoints_on_error():
-            return super().__call__(gm, example_inputs, **kwargs)
+            return counted(gm, super().__call__(gm, example_inputs, **kwargs))
 
 
 @contextlib.contextmanager

@@ -50,6 +50,9 @@ class Cut:
     floor: Floor = Floor()
     peak_fit: PeakFit | None = None            # under a PeakBudget: how it was met
     unfused: Unfused = Unfused()  # under Inductor: kept values it would fuse away, dropped
+    # under a byte budget with symbolic sizes: the guards keeping them at most their hints
+    # (.size_guards), and the sizes that could not be guarded
+    size_guards: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
 def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
@@ -106,7 +109,7 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
                                                      fused=fusing)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
-                   peak_fit=fit)
+                   peak_fit=fit, size_guards=_guard_sizes(net, memory_budget, regions))
     if regions:
         (res, facts), floor, dropped = lowering_peak(
             lambda n: solve_with_region_budgets(n, regions, memory_budget, solver),
@@ -116,7 +119,28 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
             lambda n: solve_with_budget(n, memory_budget, solver), lambda r: r.saved)
     return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
-               unfused=dropped)
+               unfused=dropped, size_guards=_guard_sizes(net, memory_budget, regions))
+
+
+def _guard_sizes(net: FlowNetwork, memory_budget: Any, regions: list[Any]
+                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A cap in bytes was priced at the size hints: hold the sizes there
+    (:mod:`.size_guards`)."""
+    if not _caps_bytes(memory_budget, regions):
+        return ((), ())
+    from .size_guards import guard_sizes_at_most_hints
+    added, left = guard_sizes_at_most_hints(v for v in net.cls.nodes if v.op != "placeholder")
+    return tuple(added), tuple(left)
+
+
+def _caps_bytes(memory_budget: Any, regions: list[Any]) -> bool:
+    """Whether a cap in bytes applies: the partitioner's (a PeakBudget's too), a region's or
+    a whole model's."""
+    value = memory_budget.value if isinstance(memory_budget, PeakBudget) else memory_budget
+    if isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return any(not g.torch_meaning and (g.model is not None or
+                                        not isinstance(g.fraction, float)) for g in regions)
 
 
 def _marked_offload(node: fx.Node) -> bool:

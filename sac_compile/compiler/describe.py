@@ -101,6 +101,17 @@ def _describe_cut(report: PartitionReport, cut: Cut) -> None:
             f"not applied: memory_budget={cut.memory_budget!r} given to the partitioner")
     if cut.region_budgets is not None:
         report.notes.extend(_region_budget_notes(cut.region_budgets))
+    added, left = cut.size_guards
+    if added:
+        report.notes.append(
+            f"byte budget under dynamic shapes: the cut was chosen at the size hints and is "
+            f"kept for sizes up to them (guards {', '.join(added[:4])}"
+            f"{', ...' if len(added) > 4 else ''}); a larger call compiles again")
+    if left:
+        report.notes.append(
+            f"byte budget under dynamic shapes: the sizes {', '.join(left[:4])} cannot be "
+            f"guarded (data-dependent): at other values the cut may keep more than the "
+            f"budget")
     report.notes.extend(_floor_notes(cut.floor))
     report.notes.extend(_unfused_notes(cut.unfused))
     res = cut.budget

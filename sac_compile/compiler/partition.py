@@ -42,7 +42,6 @@ from .extract import Split, extract, split_upstream
 from .normalize import normalize_tags
 from .storage import HookTraces, apply_storage, plan_storage, save_bases_of_views
 from .options import OffloadOptions, PartitionerConfig
-from .size_guards import guard_sizes_up_to_hints
 from .who_splits import register_partitioner
 
 __all__ = ["SACPartitioner"]
@@ -164,8 +163,6 @@ class SACPartitioner(CustomPartitionerFn):
             return self._emit(describe_partition(gm, split, static, solver="upstream",
                                                  timings=clock.timings), split)
         static = static_inputs(gm.graph, static_idx)
-        if _in_bytes(self.memory_budget):  # solved at the hints: holds up to them
-            guard_sizes_up_to_hints(gm)
         traces = HookTraces()
         net, stand_ins = flow_network(gm, num_fwd_outputs, static, self.cost_model, traces)
         clock.lap("network")
@@ -242,12 +239,6 @@ class _Laps:
         now = time.perf_counter()
         self.timings[name] = self.timings.get(name, 0.0) + now - self._t
         self._t = now
-
-
-def _in_bytes(budget: Any) -> bool:
-    """A budget in bytes (a PeakBudget's or a kept-byte one), not a fraction."""
-    value = getattr(budget, "value", budget)
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prune(gm: fx.GraphModule, cse: bool) -> None:

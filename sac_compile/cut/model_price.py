@@ -22,6 +22,14 @@ shapes, submodules), so how many blocks of each kind the model has:
   tokens between steps, so no step mixes the two splits): two compiles per kind, said in
   the log and counted in ``ModelBudget.recompiles``.
 
+A block the model calls more than once per step runs its graph that many times: each call
+keeps its share. The graphs' runs are counted per kind and step
+(:mod:`sac_compile.compiler.budget_runs`); when a step made more calls of a kind than it has
+blocks (:func:`count_step`, at the next call of the model), the shares are over the calls:
+that step kept more than the budget (said in a warning), and the kinds are compiled again
+at the next call, as above. A block that a step skips keeps its share reserved: the split
+is over the blocks, never fewer, so a block first run in a later step finds its share.
+
 The alternative - an eager first step that records every block before compiling - would
 run the first step uncompiled whatever the user asked, and cannot see what only a compiled
 graph holds; recording at the partition sees the very network the split is made on.
@@ -36,7 +44,7 @@ from .budget import BISECT_STEPS, TILT, _cut
 from .network import INF, FlowNetwork
 from .solvers import source_side
 
-__all__ = ["graph_cap", "price_over_kinds"]
+__all__ = ["graph_cap", "price_over_kinds", "count_step"]
 
 
 @dataclasses.dataclass
@@ -56,8 +64,10 @@ def graph_cap(net: FlowNetwork, model: Any, by_name: dict[str, set[int]],
     a cap below the least the blocks can keep is raised to it), and a line for the
     report. Records the graph's kinds and finds the price once every kind is recorded."""
     from ..budgets import budget_label
-    n = len(model.members)
+    n = model.step_calls()
     even = model.nbytes / n
+    over = f"{n} blocks" if n == len(model.members) else \
+        f"{n} calls of {len(model.members)} blocks"
     kinds: dict[str, list[str]] = {}
     for name in by_name:
         kinds.setdefault(model.kind_of(name), []).append(name)
@@ -83,21 +93,21 @@ def graph_cap(net: FlowNetwork, model: Any, by_name: dict[str, set[int]],
                    f"compiled (then the price per byte over the kinds; these blocks compile "
                    f"once more at their share)") if not single else \
                 "identical blocks, one split: each the same share"
-            line = (f"whole-model memory budget {budget_label(model.nbytes)} over {n} blocks; "
+            line = (f"whole-model memory budget {budget_label(model.nbytes)} over {over}; "
                     f"this graph's {len(by_name)} at {budget_label(int(even))} each, "
                     f"{budget_label(int(cap))} ({how})")
             return cap, not single, line
         cap = sum(shares[model.kind_of(name)] for name in by_name)
     return cap, False, (
-        f"whole-model memory budget {budget_label(model.nbytes)} over {n} blocks of "
+        f"whole-model memory budget {budget_label(model.nbytes)} over {over} of "
         f"{len(shares)} kinds; this graph's {len(by_name)} at their shares at the price "
         f"per byte ({', '.join(f'{budget_label(int(s))}' for s in shares.values())} per "
         f"block of each kind), {budget_label(int(cap))}")
 
 
 def price_over_kinds(model: Any, solver: str | None = None) -> dict[str, float]:
-    """Each kind's bytes per block at the largest price per byte ``w`` at which all the
-    blocks together (each kind counted as often as the model has blocks of it) keep at
+    """Each kind's bytes per call at the largest price per byte ``w`` at which all the
+    blocks together (each kind counted as often as a step calls it) keep at
     most the budget: the Lagrangian cut of each kind's network at one ``w``, as
     :func:`.shared_budget.solve_shared_price` does for networks of their own.
     ``CompiledCheckpointError`` when even the least the blocks can keep is above it."""
@@ -122,7 +132,7 @@ def price_over_kinds(model: Any, solver: str | None = None) -> dict[str, float]:
         return out
 
     def total(shares: dict[str, float]) -> float:
-        return sum(model.count(k) * b for k, b in shares.items())
+        return sum(model.calls_of(k) * b for k, b in shares.items())
 
     cap = float(model.nbytes)
     best = per_block(1.0)
@@ -159,6 +169,39 @@ def price_over_kinds(model: Any, solver: str | None = None) -> dict[str, float]:
         slack = cap - total(best)
         if not open_kinds or slack < 1:
             break
-        add = slack / sum(model.count(k) for k in open_kinds)
+        add = slack / sum(model.calls_of(k) for k in open_kinds)
         best = {k: min(free[k], b + add) if k in open_kinds else b for k, b in best.items()}
     return best
+
+
+def count_step(model: Any) -> set[str]:
+    """A step is over (the model is called again): the kinds whose compiled graphs made
+    more region calls in it than the split assumed. Their calls are learnt, a warning says
+    the step kept more than the budget, and the kinds to compile again are returned (all of
+    them when several kinds were priced: the price is found again over the new counts)."""
+    import logging
+    from ..budgets import budget_label
+    with model.lock:
+        runs, model.graph_runs = dict(model.graph_runs), type(model.graph_runs)()
+        more = {k: n for k, n in runs.items() if n > model.calls_of(k)}
+        if not more:
+            return set()
+        before = model.step_calls()
+        model.calls.update(more)
+        kinds = {k for k in set(model.kinds) if model.count(k)}
+        if len(kinds) > 1:  # the price over the kinds is stale: the even split, then again
+            model.kind_share, model.kind_nets, model.provisional = None, {}, set()
+            again = kinds
+        else:
+            again = set(more)
+        model.rekey |= again
+        after = model.step_calls()
+    logging.getLogger("sac_compile").warning(
+        "sac_compile: whole-model memory budget %s: the step that ended made %s - more "
+        "calls than the %d its compiled blocks' split assumed, each keeping a block's "
+        "share: that step kept more than the budget (above the budget by up to the extra "
+        "calls' shares). The blocks are compiled once more at the next call of the model, "
+        "for %d calls per step", budget_label(model.nbytes),
+        ", ".join(f"{n} calls of {model.count(k)} block{'s' if model.count(k) > 1 else ''} "
+                  f"of one kind" for k, n in more.items()), before, after)
+    return again

@@ -155,7 +155,8 @@ class Plan:
     kept_bytes: int = 0
     unconstrained_bytes: int = 0
     budget_bytes: float = 0.0
-    final: bool = True   # False: a whole-model budget's recording step (not reused)
+    final: bool = True   # False: a whole-model budget's call not at a price (not reused)
+    gen: int = -1        # a whole-model budget: the price (runtime/model_budget.py) it is of
 
 
 def plan_of_cut(rg: RegionGraph, kept: list[fx.Node], on_host: list[fx.Node], signature: tuple,

@@ -54,11 +54,13 @@ class BudgetRun:
     def __init__(self, budget: RegionBudget, region: str) -> None:
         self.budget = budget
         self.region = region
-        if budget.model is not None:  # a new step of a whole-model budget: price it
+        self.candidates: list[Plan]
+        if budget.model is not None:  # a whole-model budget: the plans the step allows
             from .model_budget import on_region_entry
-            on_region_entry(budget, region)
-        with budget.lock:
-            self.candidates: list[Plan] = list(budget.plans.values())
+            self.candidates = on_region_entry(budget, region)
+        else:
+            with budget.lock:
+                self.candidates = list(budget.plans.values())
         self.held: list[Any] = []
 
     def on_op(self, node: OpNode, out: Any) -> None:
@@ -79,6 +81,9 @@ class BudgetRun:
         signature = tuple(_entry(n) for n in nodes)
         for p in self.candidates:
             if p.signature == signature:
+                if self.budget.model is not None:  # counted in the model's step
+                    from .model_budget import at_plan
+                    at_plan(self, p)
                 return p
         from .budget_plan import solve_region
         plan = solve_region(self, recorder, signature)

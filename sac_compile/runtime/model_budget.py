@@ -1,18 +1,36 @@
 """A whole-model budget in eager mode (``apply_regions(..., memory_budget="2GiB")``).
 
-Step 1 records: each region call's flow network is kept (no tensors) in the
-:class:`~sac_compile.budgets.ModelBudget`, and the call is cut at its part of the budget:
-what the step has left, split evenly over the regions it has not run yet (identical blocks:
-the budget over their number, which is what the price gives them too). So step 1 keeps at
-most the budget as well, unless a region cannot keep as little as its part (said in its
-note). When the first region recorded runs again (the next step), one price per byte is
-found over all the recorded networks together
-(:func:`sac_compile.cut.shared_budget.solve_shared_price`), each region's plan is its cut
-at that price, and from then on every region applies its plan: no solve per step. A call
-whose ops or shapes match no plan starts a new recording step (a shape change re-solves).
+The budget caps the bytes the regions keep in one *step* - one call of the model, marked
+by ``apply_regions``' forward pre-hook (:class:`sac_compile.region_groups.BudgetStep`) -
+summed over every region *call*: a block that runs twice keeps twice.
+
+Step 1 records: each region call's flow network is kept (no tensors), and the call is cut
+at its part of what the step has left, split evenly over the regions that have not run yet
+in it (one part more when a region runs again: its later calls and the regions still to
+come share what is left). So step 1 keeps at most the budget as well, unless a call cannot
+keep as little as its part (said in its note). When the step ends, one price per byte is
+found over the step's calls together, each network counted as often as it ran
+(:func:`sac_compile.cut.shared_budget.solve_shared_price`); each region's plan for that
+shape is its cut at the price. From then on calls apply their plans: no solve per step.
+
+A *price* is found for the calls of one step (its pattern: how often each region ran at
+which shape). A call is at its plan only while the step stays within that pattern: all its
+planned calls of one price, and no region running more often than in the step the price was
+found for. Any other call - a shape or ops no plan matched, a region the price never saw
+(one skipped in step 1), one more call of a region, a plan of another price - is cut at
+what the step has left once the calls the step's price still expects are set aside (its
+note says why), and at the end of that step the price is found again over its calls. So a
+step keeps at most the budget unless a call's least is above what is left, which its note
+says. Steps alternating between patterns (two batch sizes) keep each price's plans: a step
+whose calls all belong to one earlier price needs no new solve.
+
+Without the step hook (regions given a :class:`~sac_compile.budgets.ModelBudget` by hand),
+a step ends when the region that started it runs again: a region that runs twice in a row
+at the start of the step is then seen as two steps.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +38,16 @@ import torch.fx as fx
 
 from ..budgets import ModelBudget, RegionBudget, proposed_budget
 from ..errors import BudgetUnreachableError
-from .budget_graph import RegionGraph
-from .budget_graph import Plan, plan_of_cut
+from .budget_graph import Plan, RegionGraph, plan_of_cut
 
 if TYPE_CHECKING:  # annotations only: budget_run calls this module
     from .budget_run import BudgetRun
 
-__all__ = ["on_region_entry", "plan_in_model"]
+__all__ = ["on_region_entry", "at_plan", "plan_in_model", "end_step"]
+
+_PRICES_KEPT = 8  # recent prices whose plans stay usable (steps alternating patterns)
+
+Key = tuple  # (region name, signature)
 
 
 @dataclasses.dataclass
@@ -37,59 +58,140 @@ class _Recorded:
     net: Any                                        # the region call's FlowNetwork
     where: dict[fx.Node, tuple[int, int]]
     labels: dict[fx.Node, str]                      # for the values a plan may drop
-    kept: int = 0                                   # device bytes its recording plan keeps
 
 
-def on_region_entry(budget: RegionBudget, region: str) -> None:
-    """A region with a whole-model budget starts a call: if it is the first region the
-    recording step saw, the step is over - find the price and every region's plan."""
+@dataclasses.dataclass
+class _Steps:
+    """The eager bookkeeping of one ModelBudget: this step's calls, the prices found."""
+
+    hooked: bool = False            # apply_regions' pre-hook marks the steps
+    first: str | None = None        # without it: the region that started this step
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ran: set = dataclasses.field(default_factory=set)   # regions run this step
+    kept: int = 0                   # bytes kept by this step's calls so far
+    gen: int | None = None          # the price this step's planned calls are of
+    unpriced: bool = False          # a call not at a plan: price again when the step ends
+    nets: dict = dataclasses.field(default_factory=dict)      # Key -> _Recorded
+    prices: dict = dataclasses.field(default_factory=dict)    # gen -> {Key: (count, bytes)}
+    next_gen: int = 0
+
+
+def _steps(model: ModelBudget) -> _Steps:
+    if model.eager is None:
+        model.eager = _Steps()
+    return model.eager
+
+
+def end_step(model: ModelBudget, *, hooked: bool = True) -> None:
+    """A step is over (the model is called again): if a call of it was not at a plan, find
+    the price over its calls; then start counting the next step's."""
+    with model.lock:
+        steps = _steps(model)
+        steps.hooked = steps.hooked or hooked
+        calls, unpriced = dict(steps.calls), steps.unpriced
+        steps.calls, steps.ran, steps.kept = collections.Counter(), set(), 0
+        steps.gen, steps.unpriced, steps.first = None, False, None
+        if unpriced and calls:
+            _solve(model, steps, calls)
+
+
+def on_region_entry(budget: RegionBudget, region: str) -> list[Plan]:
+    """A region of a whole-model budget starts a call: the plans it may apply (those of the
+    step's price that the step has not used up yet)."""
     model = budget.model
     with model.lock:
-        if model.weight is None and model.pending and model.pending[0].region == region:
-            _solve(model)
+        steps = _steps(model)
+        if not steps.hooked and steps.first == region and steps.calls:
+            end_step(model, hooked=False)  # no step hook: the first region runs again
+        steps.first = steps.first or region
+        with budget.lock:
+            plans = list(budget.plans.values())
+        return [p for p in plans if p.gen in steps.prices
+                and (steps.gen is None or p.gen == steps.gen)
+                and steps.calls[(region, p.signature)]
+                < steps.prices[p.gen].get((region, p.signature), (0, 0))[0]]
+
+
+def at_plan(run: BudgetRun, plan: Plan) -> None:
+    """The call applies its plan: counted in the step."""
+    model = run.budget.model
+    with model.lock:
+        steps = _steps(model)
+        steps.calls[(run.region, plan.signature)] += 1
+        steps.ran.add(run.region)
+        steps.kept += plan.kept_bytes
+        steps.gen = plan.gen
 
 
 def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
-    """The plan of a call no stored plan matches, in a recording step: its cut under the
-    rest of the budget split evenly over the regions the step has not run yet (so the step
-    keeps at most the budget), recorded for the price found when the step is over (a new
-    recording step if a price was already found)."""
+    """The plan of a call not at a plan of the step's price: its cut under what the step
+    has left, less what the price's calls still to come in it keep (or, with no price in
+    the step yet, split evenly over the regions still to run), recorded for the price
+    found when the step ends."""
     from ..cut import costs
     from ..cut.budget import budget_label
     from ..cut.shared_budget import solve_shared_price
     model = run.budget.model
+    key = (run.region, signature)
     with model.lock:
-        if model.weight is not None:  # new shapes or ops: record a new step
-            model.weight = None
-            model.pending = []
-            model.notes = [f"region {run.region!r} ran ops or shapes no plan matched: the "
-                           f"price is found again after this step"]
-        committed = sum(r.kept for r in model.pending)
-        seen = {r.region for r in model.pending}
-        left = max(1, len(set(model.members) - seen))
-        cap = max(float(model.nbytes) - committed, 0.0) / left
+        steps = _steps(model)
+        left = float(model.nbytes) - steps.kept
+        why = _why_unplanned(steps, key)
+        if steps.gen is not None:
+            expected = steps.prices[steps.gen]
+            reserve = sum(max(0, n - steps.calls[k]) * b for k, (n, b) in expected.items())
+            cap = max(left - reserve, 0.0)
+            part = (f"what the step has left ({max(int(left), 0):,} B) less the "
+                    f"{int(reserve):,} B its calls still to come at the price keep")
+        else:
+            to_run = len(set(model.members) - steps.ran)
+            again = run.region in steps.ran  # its later calls share with those to come
+            parts = max(1, to_run + again)
+            cap = max(left, 0.0) / parts
+            over = f"{to_run} region{'s' if to_run != 1 else ''} not yet run" + (
+                " and this one again" if again else "")
+            part = (f"its part of what the step has left ({int(cap):,} B: "
+                    f"{max(int(left), 0):,} B over {over})")
         price = solve_shared_price([rg.net], cap, or_least=True)
         cut, free = price.cuts[0], price.unconstrained[0]
         labels = {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}
-        model.pending.append(_Recorded(run.region, run.budget, signature, rg.net,
-                                       dict(rg.where), labels, cut.nbytes))
+        steps.nets[key] = _Recorded(run.region, run.budget, signature, rg.net,
+                                    dict(rg.where), labels)
+        steps.calls[key] += 1
+        steps.ran.add(run.region)
+        steps.kept += cut.nbytes
+        steps.unpriced = True
+        step_total = steps.kept
     over = cut.nbytes > cap * (1 + 1e-9) + 1
-    note = (f"whole-model memory budget {budget_label(model.nbytes)}: recording step; this "
-            f"call keeps {cut.nbytes:,} B of its {free:,} B without a budget, within its part "
-            f"of what the step has left ({int(cap):,} B: {max(int(model.nbytes - committed), 0):,}"
-            f" B over {left} region{'s' if left > 1 else ''} not yet run)" if not over else
-            f"whole-model memory budget {budget_label(model.nbytes)}: recording step; this "
-            f"call keeps {cut.nbytes:,} B, the least it can keep, above its part of what the "
-            f"step has left ({int(cap):,} B), so this step may keep more than the budget")
-    note += (f"; one price per byte over all {len(model.members)} regions is found when the "
-             f"first region runs again")
+    head = f"whole-model memory budget {budget_label(model.nbytes)}: {why}; this call keeps "
+    note = head + (f"{cut.nbytes:,} B of its {free:,} B without a budget, within {part}"
+                   if not over else
+                   f"{cut.nbytes:,} B, the least it can keep, above {part}, so this step "
+                   f"keeps more than the budget ({step_total:,} B so far)")
+    note += (f"; one price per byte over this step's calls of the {len(model.members)} "
+             f"regions is found when the step ends")
     dropped = _dropped(rg.net, cut.kept, rg.where, labels,
                        f"its part of the whole-model budget {budget_label(model.nbytes)} in "
-                       f"the recording step")
+                       f"this step")
     plan = plan_of_cut(rg, cut.kept, cut.on_host, signature, [note], dropped, cut.nbytes,
                        free, cap)
     plan.final = False  # not stored: the region's plan comes with the price
     return plan
+
+
+def _why_unplanned(steps: _Steps, key: Key) -> str:
+    region = key[0]
+    if not steps.prices:
+        return "recording step"
+    known = [g for g, calls in steps.prices.items() if key in calls]
+    if not known:
+        seen = any(k[0] == region for calls in steps.prices.values() for k in calls)
+        return (f"region {region!r} ran ops or shapes no plan matched" if seen else
+                f"region {region!r} was not in the step the price was found for")
+    if steps.gen is not None and steps.gen not in known:
+        return (f"region {region!r}'s plan is of another price than this step's other "
+                f"calls")
+    return f"region {region!r} ran more often than in the step the price was found for"
 
 
 def _dropped(net: Any, kept: list[fx.Node], where: dict[fx.Node, tuple[int, int]],
@@ -102,47 +204,60 @@ def _dropped(net: Any, kept: list[fx.Node], where: dict[fx.Node, tuple[int, int]
             for v in _kept_unconstrained(net) if v not in have and v in where]
 
 
-def _solve(model: ModelBudget) -> None:
+def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
+    """The price over a step's calls, each network counted as often as it ran; each
+    region's plan for each of its shapes is its cut at that price."""
     from ..cut.budget import budget_label
     from ..cut.shared_budget import solve_shared_price
-    pending = model.pending
+    keys = list(calls)
+    recs = [steps.nets[k] for k in keys]
+    counts = [calls[k] for k in keys]
     try:
-        price = solve_shared_price([r.net for r in pending], float(model.nbytes))
+        price = solve_shared_price([r.net for r in recs], float(model.nbytes), counts=counts)
     except ValueError as e:
-        regions = ", ".join(dict.fromkeys(r.region for r in pending))
+        regions = ", ".join(dict.fromkeys(r.region for r in recs))
         least = int(e.least_bytes)  # type: ignore[attr-defined]
         proposed = proposed_budget(model.nbytes, least, least)
         raise BudgetUnreachableError(
             f"whole-model memory budget {budget_label(model.nbytes)} of apply_regions cannot "
             f"be met: {e}, with everything recomputed or offloaded that may be (regions "
-            f"{regions}). To fix: raise the budget to at least that (memory_budget="
-            f"{proposed!r}), or relax the policy's MUST_SAVE decisions to PREFER_SAVE "
-            f"(policies.relaxed(policy); policies.relaxed(policy, hooks=True) also relaxes "
-            f"SaveWithHooks) so the budget may evict them",
+            f"{regions}, each call counted). To fix: raise the budget to at least that "
+            f"(memory_budget={proposed!r}), or relax the policy's MUST_SAVE decisions to "
+            f"PREFER_SAVE (policies.relaxed(policy); policies.relaxed(policy, hooks=True) "
+            f"also relaxes SaveWithHooks) so the budget may evict them",
             budget=model.nbytes, least_bytes=least,
             unconstrained_bytes=int(e.unconstrained_bytes),  # type: ignore[attr-defined]
             proposed_budget=proposed) from None
+    gen, steps.next_gen = steps.next_gen, steps.next_gen + 1
     shares: dict[str, int] = {}
     unconstrained: dict[str, int] = {}
-    for rec, cut, free in zip(pending, price.cuts, price.unconstrained):
-        shares[rec.region] = shares.get(rec.region, 0) + cut.nbytes
-        unconstrained[rec.region] = unconstrained.get(rec.region, 0) + free
+    for rec, n, cut, free in zip(recs, counts, price.cuts, price.unconstrained):
+        shares[rec.region] = shares.get(rec.region, 0) + n * cut.nbytes
+        unconstrained[rec.region] = unconstrained.get(rec.region, 0) + n * free
     model.weight, model.shares, model.unconstrained = price.weight, shares, unconstrained
-    total = sum(price.unconstrained)
+    total = sum(n * free for n, free in zip(counts, price.unconstrained))
+    n_calls = sum(counts)
     head = (f"whole-model memory budget {budget_label(model.nbytes)}: {price.total:,} B kept "
-            f"by {len(shares)} regions together (without the budget {total:,} B); one price "
-            f"per byte, w = {price.weight:.3g}, {price.solves} solves")
-    for rec, cut, free in zip(pending, price.cuts, price.unconstrained):
+            f"by {n_calls} call{'s' if n_calls > 1 else ''} of {len(shares)} region"
+            f"{'s' if len(shares) > 1 else ''} together (without the budget {total:,} B); one "
+            f"price per byte, w = {price.weight:.3g}, {price.solves} solves")
+    for rec, n, cut, free in zip(recs, counts, price.cuts, price.unconstrained):
         rg = RegionGraph(None, rec.net, rec.where, {})
         dropped = _dropped(rec.net, cut.kept, rec.where, rec.labels,
                            f"the whole-model budget {budget_label(model.nbytes)}")
-        note = f"{head}; this call's share {cut.nbytes:,} B of its {free:,} B without it"
+        runs = f" (each of its {n} calls per step)" if n > 1 else ""
+        note = f"{head}; this call's share {cut.nbytes:,} B{runs} of its {free:,} B without it"
         plan = plan_of_cut(rg, cut.kept, cut.on_host, rec.signature, [note], dropped,
                            cut.nbytes, free, float(model.nbytes))
+        plan.gen = gen
         with rec.budget.lock:
             rec.budget.plans[rec.signature] = plan
+    steps.prices[gen] = {k: (n, c.nbytes) for k, n, c in zip(keys, counts, price.cuts)}
+    for old in sorted(steps.prices)[:-_PRICES_KEPT]:
+        del steps.prices[old]
+    live = {k for calls_of in steps.prices.values() for k in calls_of}
+    steps.nets = {k: r for k, r in steps.nets.items() if k in live}
     model.notes.append(head)
-    model.pending = []
 
 
 def _kept_unconstrained(net: Any) -> list[fx.Node]:

@@ -1,0 +1,68 @@
+"""How often a whole-model budget's blocks run per step when they are compiled.
+
+A block compiled on its own (``block.compile()``, or a graph break between blocks) is cut at
+its share of the budget per call (:mod:`sac_compile.cut.model_price`). How many calls a step
+makes of it is not in any graph: a block the model calls twice runs its one compiled graph
+twice. Nothing Python sees inside a compiled graph can count it without a graph break (a
+``fullgraph=True`` compile forbids one, and Dynamo would guard a counter's value), so the
+callable the backend returns is wrapped: each run of a graph counts, per kind of block, the
+region calls it holds (:attr:`ModelBudget.graph_runs`). The model's step hook
+(:class:`sac_compile.region_groups.BudgetStep`) reads the count when the step ends
+(:func:`sac_compile.cut.model_price.count_step`).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["counted"]
+
+
+def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
+    """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
+    Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
+    holding every block of a model is one cap over all its calls: not counted."""
+    from .. import graph_meta
+    from ..region_groups import group_of_token, name_in_graph
+    from .regions_compiled import _CHECKPOINT_HOP, context_fn_kind
+    found: collections.Counter = collections.Counter()
+    models: dict[int, Any] = {}
+    names: dict[int, set[str]] = collections.defaultdict(set)
+    for owner in gm.modules():
+        if not isinstance(owner, torch.fx.GraphModule):
+            continue
+        for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
+            body = getattr(owner, getattr(node.args[0], "target", ""), None)
+            context_fn = graph_meta.checkpoint_context_fn(body)
+            if context_fn_kind(context_fn) != "region":
+                continue
+            try:
+                group = group_of_token(context_fn.args[0])
+            except KeyError:
+                continue
+            budget = group.budget
+            if budget is not None and budget.model is not None:
+                models[id(budget.model)] = budget.model
+                found[(id(budget.model), budget.kind)] += 1
+                names[id(budget.model)].add(name_in_graph(group, node))
+    return [(models[m], kind, n) for (m, kind), n in found.items()
+            if not names[m] >= set(models[m].members)]
+
+
+def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
+    """``compiled`` (the backend's callable for ``gm``), counting its whole-model budgets'
+    region calls at each run; ``compiled`` itself when it holds none."""
+    calls = _budgeted_calls(gm)
+    if not calls:
+        return compiled
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for model, kind, n in calls:
+            with model.lock:
+                model.graph_runs[kind] += n
+        return compiled(*args, **kwargs)
+    return run
