@@ -46,7 +46,7 @@ from .policy_identity import object_serial, policy_identity
 from .torch_internals import dynamo_recompile_limits
 
 __all__ = ["RegionGroup", "RegionSlot", "frame_in_group", "group_of_token", "regroup_by_decisions",
-           "members_of", "BudgetStep"]
+           "members_of", "rekey"]
 
 log = logging.getLogger("sac_compile")
 
@@ -251,48 +251,7 @@ def regroup_by_decisions(group: RegionGroup, traced: str,
     return moved
 
 
-class BudgetStep:
-    """A forward pre-hook on the model of a whole-model budget (``apply_regions``): a call
-    of the model is a new step, and the budget caps what a step's region calls keep.
-
-    * Eager: the step that ended is priced if a call of it was not at a plan
-      (:func:`sac_compile.runtime.model_budget.end_step`).
-    * Blocks compiled one by one: their graphs' runs were counted
-      (:mod:`sac_compile.compiler.budget_runs`); kinds that ran more calls than the split
-      assumed are compiled again (:func:`sac_compile.cut.model_price.count_step`). Blocks of
-      several kinds arrive one kind at a time, each first compiled at the even split; once
-      every kind was compiled the price is known. Either way the kinds whose split changes
-      get new tokens here, at the start of a step - never within one, which would mix two
-      splits - and Dynamo compiles each once more (logged, counted in
-      ``ModelBudget.recompiles``).
-
-    Under a compile of the whole model the hook is traced and does nothing: one graph
-    holds every call of the step, under one cap."""
-
-    def __init__(self, budget: Any) -> None:
-        self.budget = budget
-
-    # A copy of the model shares the budget, as its regions' RegionBudgets do.
-    def __copy__(self) -> BudgetStep:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> BudgetStep:
-        return self
-
-    def __call__(self, module: Any, args: Any) -> None:
-        if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
-            return None
-        from .cut.model_price import count_step
-        from .runtime.model_budget import end_step
-        budget = self.budget
-        end_step(budget)
-        count_step(budget)
-        if budget.rekey:
-            _rekey(budget)
-        return None
-
-
-def _rekey(model: Any) -> None:
+def rekey(model: Any) -> None:
     """New tokens for the groups of ``model``'s kinds in ``model.rekey``."""
     with model.lock:
         kinds, model.rekey = set(model.rekey), set()

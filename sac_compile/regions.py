@@ -17,7 +17,7 @@ from torch import nn
 from . import runtime
 from .module_regions import RegionConfig, wrap_module
 from .budgets import ModelBudget, RegionBudget, module_kind, region_budget
-from .region_groups import BudgetStep, frame_in_group
+from .region_groups import frame_in_group, rekey
 from .region_names import _check_target, _region_name
 from .region_run import run_region
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
@@ -286,6 +286,47 @@ def _redecide(what: str, tensor: torch.Tensor, *, tag: Opinion | None = None,
         return
     if not recorder.redecide(tensor, tag=tag, label=label):
         raise CheckpointError(foreign_tensor_message(what, recorder.frames[-1].name))
+
+
+class BudgetStep:
+    """A forward pre-hook on the model of a whole-model budget (``apply_regions``): a call
+    of the model is a new step, and the budget caps what a step's region calls keep.
+
+    * Eager: the step that ended is priced if a call of it was not at a plan
+      (:func:`sac_compile.runtime.model_budget.end_step`).
+    * Blocks compiled one by one: their graphs' runs were counted
+      (:mod:`sac_compile.compiler.budget_runs`); kinds that ran more calls than the split
+      assumed are compiled again (:func:`sac_compile.cut.model_price.count_step`). Blocks of
+      several kinds arrive one kind at a time, each first compiled at the even split; once
+      every kind was compiled the price is known. Either way the kinds whose split changes
+      get new tokens here, at the start of a step - never within one, which would mix two
+      splits - and Dynamo compiles each once more (logged, counted in
+      ``ModelBudget.recompiles``).
+
+    Under a compile of the whole model the hook is traced and does nothing: one graph
+    holds every call of the step, under one cap."""
+
+    def __init__(self, budget: Any) -> None:
+        self.budget = budget
+
+    # A copy of the model shares the budget, as its regions' RegionBudgets do.
+    def __copy__(self) -> BudgetStep:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> BudgetStep:
+        return self
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
+            return None
+        from .cut.model_price import count_step
+        from .runtime.model_budget import end_step
+        budget = self.budget
+        end_step(budget)
+        count_step(budget)
+        if budget.rekey:
+            rekey(budget)
+        return None
 
 
 from .checkpoint_call import checkpoint  # noqa: E402  (it reads _region_name from here)
