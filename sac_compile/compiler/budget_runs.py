@@ -25,29 +25,21 @@ def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
     """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
     Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
     holding every block of a model is one cap over all its calls: not counted."""
-    from .. import graph_meta
     from ..region_groups import group_of_token, name_in_graph
-    from .regions_compiled import _CHECKPOINT_HOP, context_fn_kind
+    from .regions_compiled import region_checkpoints
     found: collections.Counter = collections.Counter()
     models: dict[int, Any] = {}
     names: dict[int, set[str]] = collections.defaultdict(set)
-    for owner in gm.modules():
-        if not isinstance(owner, torch.fx.GraphModule):
+    for node, _, context_fn in region_checkpoints(gm):
+        try:
+            group = group_of_token(context_fn.args[0])
+        except KeyError:
             continue
-        for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
-            body = getattr(owner, getattr(node.args[0], "target", ""), None)
-            context_fn = graph_meta.checkpoint_context_fn(body)
-            if context_fn_kind(context_fn) != "region":
-                continue
-            try:
-                group = group_of_token(context_fn.args[0])
-            except KeyError:
-                continue
-            budget = group.budget
-            if budget is not None and budget.model is not None:
-                models[id(budget.model)] = budget.model
-                found[(id(budget.model), budget.kind)] += 1
-                names[id(budget.model)].add(name_in_graph(group, node))
+        budget = group.budget
+        if budget is not None and budget.model is not None:
+            models[id(budget.model)] = budget.model
+            found[(id(budget.model), budget.kind)] += 1
+            names[id(budget.model)].add(name_in_graph(group, node))
     return [(models[m], kind, n) for (m, kind), n in found.items()
             if not names[m] >= set(models[m].members)]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -71,6 +71,19 @@ def run_region(frame: RegionFrame, fn: Callable[..., Any], args: tuple, kwargs: 
         raise
 
 
+def region_checkpoints(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, Any, Any]]:
+    """``(node, body, context_fn)`` of every checkpoint call in Dynamo's graph ``gm`` (and
+    its subgraphs) whose ``context_fn`` is one of our regions'."""
+    for owner in gm.modules():
+        if not isinstance(owner, torch.fx.GraphModule):
+            continue
+        for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
+            body = getattr(owner, getattr(node.args[0], "target", ""), None)
+            context_fn = graph_meta.checkpoint_context_fn(body)
+            if context_fn_kind(context_fn) == "region":
+                yield node, body, context_fn
+
+
 def name_regions(gm: torch.fx.GraphModule) -> int:
     """Give each region of Dynamo's graph ``gm`` its own name: regions of one group (the
     blocks of a model compiled whole) share a token, so the ``context_fn`` torch will call
@@ -79,16 +92,11 @@ def name_regions(gm: torch.fx.GraphModule) -> int:
     ``together`` the names of the group's members in this graph. The graph's guards are
     already built: the name is data here. Returns how many were renamed."""
     found: list[tuple[Any, str, str]] = []  # (the body, its token, its member's name)
-    for owner in gm.modules():
-        if not isinstance(owner, torch.fx.GraphModule):
+    for node, body, context_fn in region_checkpoints(gm):
+        if len(context_fn.args) != 1:
             continue
-        for node in owner.graph.find_nodes(op="call_function", target=_CHECKPOINT_HOP):
-            body = getattr(owner, getattr(node.args[0], "target", ""), None)
-            context_fn = graph_meta.checkpoint_context_fn(body)
-            if context_fn_kind(context_fn) != "region" or len(context_fn.args) != 1:
-                continue
-            token = context_fn.args[0]
-            found.append((body, token, name_in_graph(group_of_token(token), node)))
+        token = context_fn.args[0]
+        found.append((body, token, name_in_graph(group_of_token(token), node)))
     # The members of a group in this one graph are each decided under their own name: the
     # check that a group's members decide alike (.group_check) need not split them.
     together: dict[str, set[str]] = {}
