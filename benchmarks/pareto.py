@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from sac_compile import make_backend, policies, sac_region  # noqa: E402
 from sac_compile._bench.partition_figures import (OnPartition,  # noqa: E402
                                                   PartitionFigures, upstream_aot_eager,
                                                   upstream_backend)
+from sac_compile._bench.strategies import full_ac, torch_sac_prefer, torch_sac_with  # noqa: E402,E501
 from sac_compile.report import fmt_bytes  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -69,10 +69,6 @@ TORCH_SAVE_OPS = frozenset(policies.MATMUL_OPS)
 
 def torch_sac_must(ctx, op, *args, **kwargs):
     return CP.MUST_SAVE if op in TORCH_SAVE_OPS else CP.PREFER_RECOMPUTE
-
-
-def torch_sac_prefer(ctx, op, *args, **kwargs):
-    return CP.PREFER_SAVE if op in TORCH_SAVE_OPS else CP.PREFER_RECOMPUTE
 
 
 @dataclasses.dataclass
@@ -111,28 +107,15 @@ class Point:
         return self.status == "ok"
 
 
-def _torch_sac_forward(fwd, policy):
-    import torch.utils.checkpoint as tuc
-
-    from sac_compile.compiler.regions_compiled import torch_sac_contexts
-    ctx = functools.partial(torch_sac_contexts, policy)
-    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
-
-
-def _full_ac_forward(fwd):
-    import torch.utils.checkpoint as tuc
-    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, **k)
-
-
 def build(cfg: Config, size: str):
     model, inputs = make_model("gpt", size=size, seed=0)
     for i, block in enumerate(model.blocks):
         if cfg.wrap == "region":
             sac_region(cfg.policy, name=f"blocks.{i}")(block)
         elif cfg.wrap == "torch_sac":
-            block.forward = _torch_sac_forward(block.forward, cfg.policy)
+            block.forward = torch_sac_with(cfg.policy)(i, block.forward)
         elif cfg.wrap == "full_ac":
-            block.forward = _full_ac_forward(block.forward)
+            block.forward = full_ac(i, block.forward)
     return model, inputs
 
 

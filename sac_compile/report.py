@@ -100,6 +100,12 @@ class MemoryPeak:
     def bytes(self) -> int:
         return max(self.forward, self.backward)
 
+    def step(self, fused: bool = False) -> int:
+        """The step's modelled peak (``with_gradients``; eager, without one: ``bytes``), as
+        Inductor allocates where ``fused`` and the walk has that figure."""
+        peak = self.fused if fused and self.fused is not None else self
+        return peak.with_gradients if peak.with_gradients is not None else peak.bytes
+
     def by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for kind, _, n in self.at_peak:

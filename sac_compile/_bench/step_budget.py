@@ -29,7 +29,7 @@ from ..report import PartitionReport
 from .gradients import clear_grads, grads_of, max_grad_diff
 from .measure import wrap_blocks
 from .partition_figures import PartitionFigures, upstream_aot_eager, upstream_backend
-from .strategies import full_ac, loss_of, ours
+from .strategies import full_ac, loss_of, ours, torch_sac_prefer, torch_sac_with
 
 __all__ = ["StepPoint", "run_step", "build_model", "STRATEGIES"]
 
@@ -68,22 +68,6 @@ def build_model(name: str, size: str, dropout: bool = True) -> tuple[torch.nn.Mo
     return model, inputs
 
 
-def _torch_sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from ..policies import MATMUL_OPS
-    from ..policy import CheckpointPolicy as CP
-    return CP.PREFER_SAVE if op in MATMUL_OPS else CP.PREFER_RECOMPUTE
-
-
-def _torch_sac(i: int, fwd: Any) -> Any:
-    import functools
-
-    import torch.utils.checkpoint as tuc
-
-    from ..compiler.regions_compiled import torch_sac_contexts
-    ctx = functools.partial(torch_sac_contexts, _torch_sac_policy)
-    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
-
-
 def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
              budget: Any = None, torch_budget: float | None = None,
              reference: dict | None = None, dropout: bool = True) -> StepPoint:
@@ -108,7 +92,7 @@ def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
                                on_partition=reports.append)
     else:
         if strategy == "torch SAC":
-            wrap_blocks(model, _torch_sac)
+            wrap_blocks(model, torch_sac_with(torch_sac_prefer))
         elif strategy == "torch full AC":
             wrap_blocks(model, full_ac)
         backend = upstream_backend(figures) if compiler == "inductor" else \
@@ -152,24 +136,14 @@ def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
         report = reports[-1]
         point.flops = sum(r.recompute_flops for r in reports)
         point.kept = sum(r.saved_bytes for r in reports)
-        peaks = [_step_model(r, compiler) for r in reports]
-        point.modelled = max(p for p in peaks if p is not None) if any(
-            p is not None for p in peaks) else None
+        peaks = [r.peak.step(fused=compiler == "inductor") for r in reports if r.peak]
+        point.modelled = max(peaks, default=None)
         point.note = f"{len(reports)} split(s)" + (
             f", budget_peak {report.budget_peak}" if report.budget_peak is not None else "")
     else:
         point.flops, point.kept = figures.recompute_flops, figures.kept_bytes
     dynamo_reset()
     return point
-
-
-def _step_model(report: PartitionReport, compiler: str) -> int | None:
-    peak = report.peak
-    if peak is None:
-        return None
-    if compiler == "inductor" and peak.fused is not None:
-        peak = peak.fused
-    return peak.with_gradients
 
 
 def reference_step(name: str, size: str, dropout: bool = True) -> dict:

@@ -25,7 +25,7 @@ from .measure import TORCH_SAVE_MATMUL_OPS, SavedBytes, StepResult, wrapped_bloc
 from .gradients import clear_grads, grads_of, loss_fn
 
 __all__ = ["UnusableModel", "as_blocked_model", "copy_model", "loss_of", "full_ac", "torch_sac",
-           "ours", "ours_blocks", "measure_ours"]
+           "torch_sac_with", "torch_sac_prefer", "ours", "ours_blocks", "measure_ours"]
 
 
 class UnusableModel(ValueError):
@@ -119,12 +119,28 @@ def full_ac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
     return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, **k)
 
 
-def torch_sac(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
-    # torch's own SAC, run on purpose: through torch_sac_contexts so that torch's
-    # "context_fn under torch.compile" warning stays out of the report's output.
-    from ..compiler.regions_compiled import torch_sac_contexts
-    ctx = functools.partial(torch_sac_contexts, TORCH_SAVE_MATMUL_OPS)
-    return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx, **k)
+def torch_sac_with(policy: Any) -> Callable[[int, Callable[..., Any]], Callable[..., Any]]:
+    """Block wrappers running torch's own SAC with ``policy`` (a policy function or a
+    list of ops to save), on purpose through torch_sac_contexts, so that torch's
+    "context_fn under torch.compile" warning stays out of the report's output."""
+    def wrap(i: int, fwd: Callable[..., Any]) -> Callable[..., Any]:
+        from ..compiler.regions_compiled import torch_sac_contexts
+        ctx = functools.partial(torch_sac_contexts, policy)
+        return lambda *a, **k: tuc.checkpoint(fwd, *a, use_reentrant=False, context_fn=ctx,
+                                              **k)
+    return wrap
+
+
+#: torch's SAC saving the matmuls and attention (the report's row).
+torch_sac = torch_sac_with(TORCH_SAVE_MATMUL_OPS)
+
+
+def torch_sac_prefer(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch SAC's relaxed form: matmuls and attention PREFER_SAVE, the rest
+    PREFER_RECOMPUTE (what torch's activation_memory_budget may trade)."""
+    from ..policies import MATMUL_OPS
+    from ..policy import CheckpointPolicy as CP
+    return CP.PREFER_SAVE if op in MATMUL_OPS else CP.PREFER_RECOMPUTE
 
 
 def ours(policy: Any, budget: Any = None, n_blocks: int = 0

@@ -23,7 +23,7 @@ from ..cut.reasons import Reason, ReasonKind
 from ..cut.roles import Role, node_role
 from ..op_costs import is_cost_estimated
 from ..policy import CheckpointPolicy
-from ..report import MemoryPeak, PartitionReport, SavedTensorRecord, fmt_bytes
+from ..report import PartitionReport, SavedTensorRecord, fmt_bytes
 from .facts import Floor, HostWhy, PeakFit, Storage, Unfused
 from .peak import estimate_peak
 
@@ -59,8 +59,8 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
             f"plain saves, without the region's hooks or CPU offload (a region's storage "
             f"decisions apply to its own saves only)")
     _describe_graphs(report, gm, split, static)
-    final = _step_peak(report.peak, cut.peak_fit.fused) \
-        if cut is not None and cut.peak_fit is not None else None
+    final = report.peak.step(cut.peak_fit.fused) \
+        if cut is not None and cut.peak_fit is not None and report.peak is not None else None
     report.budget_peak = final
     if final is not None and final > cut.peak_fit.cap:
         report.notes.append(
@@ -176,16 +176,6 @@ def _peak_fit_note(label: str, fit: PeakFit, res: BudgetResult) -> str:
             f"{fmt_bytes(res.activation_bytes)} of activations saved (unconstrained "
             f"{fmt_bytes(res.unconstrained_bytes)})"
             + (f"; {len(res.offloaded)} values offloaded" if res.offloaded else ""))
-
-
-def _step_peak(peak: MemoryPeak | None, fused: bool) -> int | None:
-    """The final graphs' modelled step peak (gradients counted), as the cut's was: as
-    Inductor allocates where ``fused``."""
-    if peak is None:
-        return None
-    if fused and peak.fused is not None:
-        peak = peak.fused
-    return peak.with_gradients if peak.with_gradients is not None else peak.bytes
 
 
 def _region_budget_notes(facts: RegionBudgetFacts) -> list[str]:
