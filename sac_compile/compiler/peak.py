@@ -110,6 +110,7 @@ class _Walk:
         self.made_at: dict[Key, int] = {}
         self.size: dict[Key, int] = {}
         self.device: dict[Key, str] = {}
+        self.dtype: dict[Key, torch.dtype] = {}
         self.last: dict[Key, int] = {}
         self.maker: dict[Key, fx.Node] = {}
         for g in sorted(given, key=lambda n: n.name):  # alive before the first node
@@ -144,6 +145,7 @@ class _Walk:
             self.made_at[key] = pos
             self.size[key] = costs._tensor_bytes(t)
             self.device[key] = t.device.type
+            self.dtype[key] = t.dtype
             self.maker[key] = n
             self.last.setdefault(key, pos)
             out.append(key)
@@ -257,16 +259,42 @@ def _split_walks(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.N
 def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
                 ) -> MemoryPeak:
     """The same walks as Inductor allocates: without the values it computes inside the
-    kernels that read them (:func:`_fused_away`, whose inputs live until those kernels)."""
-    from ..torch_internals import get_default_op_list
-    fusible = get_default_op_list().is_fusible
+    kernels that read them or writes into a dying input (:func:`_not_allocated`)."""
     fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
-    fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+    fw_away, bw_away = _not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name))
     forward = fw_walk.sweep(lambda k: fw_counted(k) and k not in fw_away)[0]
     backward = bw_walk.sweep(lambda k: bw_counted(k) and k not in bw_away)[0]
     step = bw_walk.sweep(lambda k: grads_counted(k) and k not in bw_away)[0]
     return MemoryPeak(forward, backward, "backward" if backward >= forward else "forward",
                       with_gradients=max(forward, step))
+
+
+def _not_allocated(fw_walk: _Walk, bw_walk: _Walk,
+                   joint_of: Callable[[fx.Node], fx.Node | None]) -> tuple[set[Key], set[Key]]:
+    """The storages of each walk Inductor does not allocate (:mod:`.inductor_alloc`: fused
+    away, or written into a dying input), the walks' last uses extended to match. The
+    backward may write into a kept value (torch donates the saved activations), not into a
+    tangent, a parameter, or what the forward also returns to the user."""
+    from ..torch_internals import get_default_op_list
+    from .inductor_alloc import folded_into_addmm, fused_away, inductor_fusible, \
+        written_in_place
+    made, read = inductor_fusible(get_default_op_list().is_fusible)
+
+    def donated(k: Key) -> bool:
+        j = joint_of(bw_walk.maker[k])
+        base = storage_base(j) if j is not None else None
+        return base is not None and base.op != "placeholder" and \
+            not any(u.op == "output" for u in base.users)
+
+    result = []
+    for walk, may_write in ((fw_walk, lambda k: False), (bw_walk, donated)):
+        folded = folded_into_addmm(walk, made)
+        away = fused_away(walk, made, read) | set(folded)
+        not_in_place = set(folded.values())
+        away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
+                                 may_write)
+        result.append(away)
+    return result[0], result[1]
 
 
 def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
@@ -329,32 +357,6 @@ def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
     return True
 
 
-def _fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> set[Key]:
-    """Inductor's view of a walk (torch's partitioner's ``is_materialized`` rule): a
-    storage that is neither given nor an output, made by a fusible op whose every reader in
-    the walk (through views) is fusible, is computed inside the kernels that read it and
-    never allocated; those kernels read its inputs instead, which live until then. Returns
-    those storages, and extends the last uses of their inputs in ``walk``."""
-    in_walk = set(walk.nodes)
-
-    def away(k: Key) -> bool:
-        n = walk.maker[k]
-        if k in walk.outputs or n.name in walk.given_names or n.op != "call_function" or \
-                not fusible(n):
-            return False
-        return read_only_by_fusible(n, in_walk, fusible)
-
-    out = {k for k in walk.made_at if away(k)}
-    for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
-        for k in walk.keys.get(n, ()):
-            if k in out and k[0] == n.name:
-                for a in n.all_input_nodes:
-                    for ka in walk.keys.get(a, ()):
-                        if ka is not None:
-                            walk.last[ka] = max(walk.last.get(ka, -1), walk.last[k])
-    return out
-
-
 def cut_peak(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node]) -> int:
     """The peak (forward or backward, the larger) of the split a cut would give: the larger
     of :func:`cut_peaks`."""
@@ -368,8 +370,7 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
     cut keeps. The forward runs what the forward outputs and the kept values need, in graph
     order; the backward runs its ops in graph order, each preceded by the recomputed values
     it needs and has not yet (:func:`.order.reorder_like_autograd`'s order). ``fused``: as
-    Inductor allocates, without the values it computes inside the kernels that read them
-    (:func:`_fused_away`)."""
+    Inductor allocates (:func:`_not_allocated`)."""
     kept = set(kept)
     order = {n: i for i, n in enumerate(cls.nodes)}
     fw_outputs = [o for o in cls.fwd_outputs if isinstance(o, fx.Node)]
@@ -404,9 +405,7 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
                     outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
     if fused:
-        from ..torch_internals import get_default_op_list
-        fusible = get_default_op_list().is_fusible
-        fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+        fw_away, bw_away = _not_allocated(fw_walk, bw_walk, lambda n: n)
         fw_all, bw_all = fw_counted, bw_counted
         fw_counted = lambda k: fw_all(k) and k not in fw_away  # noqa: E731
         bw_counted = lambda k: bw_all(k) and k not in bw_away  # noqa: E731
