@@ -21,15 +21,17 @@ later, and what reads it after it) - not modelled.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .. import graph_meta
-from .peak import Key, _alias_source, _Walk, read_only_by_fusible
+from .peak import Key, _alias_source, _Walk, read_only_by_fusible, storage_base
 
-__all__ = ["fused_away", "written_in_place", "inductor_fusible", "folded_into_addmm"]
+__all__ = ["not_allocated", "fused_away", "written_in_place", "folded_into_addmm", "reused"]
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Computed inside the kernels that read them, as the partitioner's fusible ops (Inductor
@@ -97,22 +99,67 @@ def _expandable(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(to)))
 
 
+#: Inductor's lowering realizes (allocates) a pointwise value it would otherwise inline
+#: (``StorageBox.should_realize_on_reuse``, ``has_exceeded_max_reads``; torch 2.13
+#: defaults, CPU / other): read by more than one op and reading more than 4 storages or
+#: (CPU) using a costly function; reading more than 12 / 8; more than 50 / 30 ops inlined.
+_REUSE_READS = 4
+COSTLY_ON = False
+_ACC_READS = {"cpu": 12}, 8
+_OPS = {"cpu": 50}, 30
+_COSTLY = frozenset({_aten.exp.default, _aten.log.default, _aten.log10.default,
+                     _aten.log1p.default, _aten.log2.default, _aten.sigmoid.default,
+                     _aten.tanh.default})
+
+
+def _threshold(table: tuple[dict[str, int], int], device: str) -> int:
+    return table[0].get(device, table[1])
+
+
 def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
                reads: Callable[[fx.Node], bool] | None = None) -> set[Key]:
     """The storages of ``walk`` computed inside the kernels that read them: neither given
-    nor an output, made by a fusible op whose every reader in the walk (through views) is
-    fusible (``reads``, when given: read inside the kernel). Extends the last uses of their
-    inputs in ``walk`` to those kernels."""
+    nor an output, made by a fusible op (not a reduction) whose every reader in the walk
+    (through views) is fusible (``reads``, when given: read inside the kernel), unless
+    Inductor's lowering realizes it (``_REUSE_READS``...: counted over what its inlined
+    expression reads). Extends the last uses of their inputs in ``walk`` to those
+    kernels."""
     in_walk = set(walk.nodes)
+    inline: dict[fx.Node, tuple[frozenset[Key], int, bool]] = {}  # reads, ops, costly
 
-    def away(k: Key) -> bool:
-        n = walk.maker[k]
-        if k in walk.outputs or n.name in walk.given_names or n.op != "call_function" or \
-                not fusible(n):
-            return False
-        return read_only_by_fusible(n, in_walk, reads or fusible)
+    def expression(n: fx.Node) -> tuple[frozenset[Key], int, bool]:
+        read: set[Key] = set()
+        ops, costly = 1, n.target in _COSTLY
+        for a in n.all_input_nodes:
+            if a in inline:
+                r, o, c = inline[a]
+                read |= r
+                ops, costly = ops + o, costly or c
+            else:
+                read.update(k for k in walk.keys.get(a, ()) if k is not None)
+        return frozenset(read), ops, costly
 
-    out = {k for k in walk.made_at if away(k)}
+    for n in walk.nodes:
+        if n.op != "call_function" or n.name in walk.given_names:
+            continue
+        keys = [k for k in walk.keys.get(n, ()) if k is not None]
+        if _alias_source(n) is not None:  # a view of an inlined value is inlined too
+            if keys and all(walk.maker[k] in inline for k in keys):
+                inline[n] = inline[walk.maker[keys[0]]]
+            continue
+        if not keys or any(k in walk.outputs or k[0] != n.name for k in keys) or \
+                not fusible(n) or _reduces(n) or \
+                not read_only_by_fusible(n, in_walk, reads or fusible):
+            continue
+        read, ops, costly = expression(n)
+        device = walk.device[keys[0]]
+        readers = len(n.users)
+        if (readers > 1 and (len(read) > _REUSE_READS or (COSTLY_ON and costly and device == "cpu"))) or \
+                len(read) > _threshold(_ACC_READS, device) or ops > _threshold(_OPS, device):
+            continue
+        inline[n] = read, ops, costly
+    out = {k for n in inline if _alias_source(n) is None
+           for k in walk.keys.get(n, ()) if k is not None}
     for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
         for k in walk.keys.get(n, ()):
             if k in out and k[0] == n.name:
@@ -121,6 +168,16 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
                         if ka is not None:
                             walk.last[ka] = max(walk.last.get(ka, -1), walk.last[k])
     return out
+
+
+def _reduces(n: fx.Node) -> bool:
+    """A reduction (its value fewer elements than an input's): Inductor allocates it."""
+    val = graph_meta.val(n) if graph_meta.has_val(n) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    numel = val.numel()
+    return any(isinstance(v := graph_meta.val(a) if graph_meta.has_val(a) else None,
+                          torch.Tensor) and v.numel() > numel for a in n.all_input_nodes)
 
 
 def _layout(node: fx.Node) -> tuple[int, torch.dtype, bool] | None:
@@ -192,3 +249,88 @@ def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], b
                 out.add(k)
                 break
     return out
+
+
+def reused(walk: _Walk, counted: Callable[[Key], bool], peak: int | None = None) -> set[Key]:
+    """The storages of ``walk`` Inductor's generated code does not allocate but takes from
+    a storage freed earlier (its wrapper's memory planning, ``config.allow_buffer_reuse``):
+    a freed storage waits in a pool, by device, dtype and bytes, for the next allocation
+    of its kind, which takes the latest freed when holding it across the gap does not
+    raise the peak (Inductor's own estimate of the graph: here the walk's, ``counted``
+    storages), and otherwise allocates anew. A storage taken is held from its last use
+    until the allocation that takes it: the walk's last uses are extended to match. Given
+    storages (graph inputs) are never taken."""
+    n = len(walk.nodes)
+    born: list[list[Key]] = [[] for _ in range(n + 1)]
+    freed: list[list[Key]] = [[] for _ in range(n + 1)]
+    change = [0] * (n + 2)  # live bytes by position, as index (position -1 is index 0)
+    for k, pos in walk.made_at.items():
+        if not counted(k):
+            continue
+        last = walk.last.get(k, pos)
+        change[pos + 1] += walk.size[k]
+        change[min(last, n - 1) + 2] -= walk.size[k]
+        if walk.maker[k].name in walk.given_names or pos < 0:
+            continue
+        born[pos].append(k)
+        if k not in walk.outputs and last < n:
+            freed[last].append(k)
+    live = list(itertools.accumulate(change[:n + 1]))
+    peak = max(live, default=0) if peak is None else peak
+    pool: dict[tuple[str, Any, int], list[tuple[Key, int]]] = {}
+    into: dict[Key, Key] = {}
+    for pos in range(n):
+        for k in sorted(born[pos]):
+            kind = (walk.device[k], walk.dtype.get(k), walk.size[k])
+            if not pool.get(kind) or isinstance(graph_meta.val(walk.maker[k])
+                                                if graph_meta.has_val(walk.maker[k])
+                                                else None, (list, tuple)):
+                continue
+            r, at = pool[kind].pop()
+            gap = slice(at + 2, pos + 1)  # positions at+1 .. pos-1, as indices
+            if at + 1 < pos and max(live[gap]) + walk.size[k] > peak:
+                pool[kind].append((r, at))
+                continue
+            live[gap] = [b + walk.size[k] for b in live[gap]]
+            into[k] = r
+            while r in into:
+                r = into[r]
+            walk.last[r] = max(walk.last[r], walk.last.get(k, pos))
+        for k in freed[pos]:
+            pool.setdefault((walk.device[k], walk.dtype.get(k), walk.size[k]), []).append(
+                (k, pos))
+    return set(into)
+
+
+def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.Node | None],
+                  fw_counted: Callable[[Key], bool], bw_counted: Callable[[Key], bool]
+                  ) -> tuple[set[Key], set[Key]]:
+    """The storages of a split's forward and backward walks Inductor does not allocate
+    (the module docstring's rules, in the order Inductor applies them), the walks' last
+    uses extended to match; ``joint_of``: a walked node's joint-graph node; ``*_counted``:
+    the storages each walk counts (reuse is planned over them). The backward may write into
+    a kept value (torch donates the saved activations), not into a tangent, a parameter,
+    or what the forward also returns to the user."""
+    from ..torch_internals import get_default_op_list
+    made, read = inductor_fusible(get_default_op_list().is_fusible)
+
+    def donated(k: Key) -> bool:
+        j = joint_of(bw_walk.maker[k])
+        base = storage_base(j) if j is not None else None
+        return base is not None and base.op != "placeholder" and \
+            not any(u.op == "output" for u in base.users)
+
+    result = []
+    for walk, counted, may_write in ((fw_walk, fw_counted, lambda k: False),
+                                     (bw_walk, bw_counted, donated)):
+        # Inductor weighs a reuse against its estimate of the graph, made before its
+        # kernels drop what they fuse: the unfused walk stands for it
+        unfused = walk.sweep(counted)[0]
+        folded = folded_into_addmm(walk, made)
+        away = fused_away(walk, made, read) | set(folded)
+        not_in_place = set(folded.values())
+        away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
+                                 may_write)
+        away |= reused(walk, lambda k: counted(k) and k not in away, unfused)
+        result.append(away)
+    return result[0], result[1]

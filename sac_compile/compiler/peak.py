@@ -259,42 +259,18 @@ def _split_walks(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.N
 def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
                 ) -> MemoryPeak:
     """The same walks as Inductor allocates: without the values it computes inside the
-    kernels that read them or writes into a dying input (:func:`_not_allocated`)."""
+    kernels that read them, writes into a dying input or into a storage freed earlier
+    (:func:`.inductor_alloc.not_allocated`)."""
+    from .inductor_alloc import not_allocated
     fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
-    fw_away, bw_away = _not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name))
+    # Inductor plans the backward's reuse with every storage it allocates, its gradients too
+    fw_away, bw_away = not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name),
+                                     fw_counted, grads_counted)
     forward = fw_walk.sweep(lambda k: fw_counted(k) and k not in fw_away)[0]
     backward = bw_walk.sweep(lambda k: bw_counted(k) and k not in bw_away)[0]
     step = bw_walk.sweep(lambda k: grads_counted(k) and k not in bw_away)[0]
     return MemoryPeak(forward, backward, "backward" if backward >= forward else "forward",
                       with_gradients=max(forward, step))
-
-
-def _not_allocated(fw_walk: _Walk, bw_walk: _Walk,
-                   joint_of: Callable[[fx.Node], fx.Node | None]) -> tuple[set[Key], set[Key]]:
-    """The storages of each walk Inductor does not allocate (:mod:`.inductor_alloc`: fused
-    away, or written into a dying input), the walks' last uses extended to match. The
-    backward may write into a kept value (torch donates the saved activations), not into a
-    tangent, a parameter, or what the forward also returns to the user."""
-    from ..torch_internals import get_default_op_list
-    from .inductor_alloc import folded_into_addmm, fused_away, inductor_fusible, \
-        written_in_place
-    made, read = inductor_fusible(get_default_op_list().is_fusible)
-
-    def donated(k: Key) -> bool:
-        j = joint_of(bw_walk.maker[k])
-        base = storage_base(j) if j is not None else None
-        return base is not None and base.op != "placeholder" and \
-            not any(u.op == "output" for u in base.users)
-
-    result = []
-    for walk, may_write in ((fw_walk, lambda k: False), (bw_walk, donated)):
-        folded = folded_into_addmm(walk, made)
-        away = fused_away(walk, made, read) | set(folded)
-        not_in_place = set(folded.values())
-        away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
-                                 may_write)
-        result.append(away)
-    return result[0], result[1]
 
 
 def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:
@@ -370,7 +346,7 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
     cut keeps. The forward runs what the forward outputs and the kept values need, in graph
     order; the backward runs its ops in graph order, each preceded by the recomputed values
     it needs and has not yet (:func:`.order.reorder_like_autograd`'s order). ``fused``: as
-    Inductor allocates (:func:`_not_allocated`)."""
+    Inductor allocates (:func:`.inductor_alloc.not_allocated`)."""
     kept = set(kept)
     order = {n: i for i, n in enumerate(cls.nodes)}
     fw_outputs = [o for o in cls.fwd_outputs if isinstance(o, fx.Node)]
@@ -405,7 +381,8 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
                     outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
     if fused:
-        fw_away, bw_away = _not_allocated(fw_walk, bw_walk, lambda n: n)
+        from .inductor_alloc import not_allocated
+        fw_away, bw_away = not_allocated(fw_walk, bw_walk, lambda n: n, fw_counted, bw_counted)
         fw_all, bw_all = fw_counted, bw_counted
         fw_counted = lambda k: fw_all(k) and k not in fw_away  # noqa: E731
         bw_counted = lambda k: bw_all(k) and k not in bw_away  # noqa: E731
