@@ -101,15 +101,13 @@ def _expandable(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
 
 #: Inductor's lowering realizes (allocates) a pointwise value it would otherwise inline
 #: (``StorageBox.should_realize_on_reuse``, ``has_exceeded_max_reads``; torch 2.13
-#: defaults, CPU / other): read by more than one op and reading more than 4 storages or
-#: (CPU) using a costly function; reading more than 12 / 8; more than 50 / 30 ops inlined.
+#: defaults, CPU / other): read by more than one op and reading more than 4 storages;
+#: reading more than 12 / 8; more than 50 / 30 ops inlined. (It also realizes a value read
+#: twice that calls exp, tanh...: on the CPU; but its readers then fuse into one kernel,
+#: which drops the buffer - GPT-2's GELU - so that rule is left out.)
 _REUSE_READS = 4
-COSTLY_ON = False
 _ACC_READS = {"cpu": 12}, 8
 _OPS = {"cpu": 50}, 30
-_COSTLY = frozenset({_aten.exp.default, _aten.log.default, _aten.log10.default,
-                     _aten.log1p.default, _aten.log2.default, _aten.sigmoid.default,
-                     _aten.tanh.default})
 
 
 def _threshold(table: tuple[dict[str, int], int], device: str) -> int:
@@ -125,19 +123,21 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
     expression reads). Extends the last uses of their inputs in ``walk`` to those
     kernels."""
     in_walk = set(walk.nodes)
-    inline: dict[fx.Node, tuple[frozenset[Key], int, bool]] = {}  # reads, ops, costly
+    # what each inlined value's expression reads, and its ops (each once, as Inductor's
+    # count of a kernel's ops)
+    inline: dict[fx.Node, tuple[frozenset[Key], frozenset[fx.Node]]] = {}
 
-    def expression(n: fx.Node) -> tuple[frozenset[Key], int, bool]:
+    def expression(n: fx.Node) -> tuple[frozenset[Key], frozenset[fx.Node]]:
         read: set[Key] = set()
-        ops, costly = 1, n.target in _COSTLY
+        ops = {n}
         for a in n.all_input_nodes:
             if a in inline:
-                r, o, c = inline[a]
+                r, o = inline[a]
                 read |= r
-                ops, costly = ops + o, costly or c
+                ops |= o
             else:
                 read.update(k for k in walk.keys.get(a, ()) if k is not None)
-        return frozenset(read), ops, costly
+        return frozenset(read), frozenset(ops)
 
     for n in walk.nodes:
         if n.op != "call_function" or n.name in walk.given_names:
@@ -151,13 +151,14 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
                 not fusible(n) or _reduces(n) or \
                 not read_only_by_fusible(n, in_walk, reads or fusible):
             continue
-        read, ops, costly = expression(n)
+        read, ops = expression(n)
         device = walk.device[keys[0]]
         readers = len(n.users)
-        if (readers > 1 and (len(read) > _REUSE_READS or (COSTLY_ON and costly and device == "cpu"))) or \
-                len(read) > _threshold(_ACC_READS, device) or ops > _threshold(_OPS, device):
+        if (readers > 1 and len(read) > _REUSE_READS) or \
+                len(read) > _threshold(_ACC_READS, device) or \
+                len(ops) > _threshold(_OPS, device):
             continue
-        inline[n] = read, ops, costly
+        inline[n] = read, ops
     out = {k for n in inline if _alias_source(n) is None
            for k in walk.keys.get(n, ()) if k is not None}
     for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
@@ -173,6 +174,8 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
 def _reduces(n: fx.Node) -> bool:
     """A reduction (its value fewer elements than an input's): Inductor allocates it."""
     val = graph_meta.val(n) if graph_meta.has_val(n) else None
+    if isinstance(val, (list, tuple)) and val:  # var_mean's mean and variance
+        val = val[0]
     if not isinstance(val, torch.Tensor):
         return False
     numel = val.numel()
@@ -207,7 +210,8 @@ def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], b
 
     def candidates(n: fx.Node, numel: int) -> list[Key]:
         """The storages n's kernel reads at the index it writes (through fused values)."""
-        found, stack, seen = [], list(n.all_input_nodes), set()
+        # in the order the kernel loads them (Inductor takes the first that qualifies)
+        found, stack, seen = [], list(reversed(n.all_input_nodes)), set()
         while stack:
             a = stack.pop()
             if a in seen or not same_index(a, numel):
@@ -217,7 +221,7 @@ def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], b
                 if k is None or not same_index(walk.maker[k], numel):
                     continue
                 if k in away:  # computed in this kernel: it reads what k's maker reads
-                    stack.extend(walk.maker[k].all_input_nodes)
+                    stack.extend(reversed(walk.maker[k].all_input_nodes))
                 else:
                     found.append(k)
         return found
@@ -323,14 +327,14 @@ def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], 
     result = []
     for walk, counted, may_write in ((fw_walk, fw_counted, lambda k: False),
                                      (bw_walk, bw_counted, donated)):
-        # Inductor weighs a reuse against its estimate of the graph, made before its
-        # kernels drop what they fuse: the unfused walk stands for it
-        unfused = walk.sweep(counted)[0]
         folded = folded_into_addmm(walk, made)
         away = fused_away(walk, made, read) | set(folded)
+        # Inductor weighs a reuse against its estimate of the graph's peak, made over its
+        # kernels' outputs before it writes any in place or reuses any
+        estimate = walk.sweep(lambda k: counted(k) and k not in away)[0]
         not_in_place = set(folded.values())
         away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
                                  may_write)
-        away |= reused(walk, lambda k: counted(k) and k not in away, unfused)
+        away |= reused(walk, lambda k: counted(k) and k not in away, estimate)
         result.append(away)
     return result[0], result[1]
