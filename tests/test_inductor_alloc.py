@@ -206,3 +206,29 @@ def test_a_value_read_twice_is_allocated_when_it_reads_more_than_four_storages(i
     away = ia.fused_away(walk, _fusible)
     assert ((s.name, 0) not in away) is allocated
     assert (r1.name, 0) not in away  # read by a matrix product: allocated
+
+
+# -- Inductor's order: horizontal fusion -----------------------------------------------------
+
+def test_kernels_reading_the_same_storage_run_together_where_the_first_ran():
+    """Two softmax-like kernels read the mask (as two layers' recomputed attention does):
+    fused, the second runs with the first, so the product it reads (b2, 64 KiB) is made
+    before it - and alive across what ran between them."""
+    from sac_compile.compiler.inductor_order import inductor_order
+    g = _G()
+    mask, x, w = g.input("mask", 128, 128), g.input("x", 128, 128), g.input("w", 128, 128)
+    b1 = g.op(aten.mm.default, (x, w), 128, 128)
+    k1 = g.op(aten.mul.Tensor, (b1, mask), 128, 128)
+    o1 = g.op(aten.mm.default, (k1, w), 128, 128)
+    b2 = g.op(aten.mm.default, (o1, w), 128, 128)  # between: depends on neither kernel's...
+    b2.args = (x, w)                                # ...output (read from the inputs)
+    k2 = g.op(aten.mul.Tensor, (b2, mask), 128, 128)
+    o2 = g.op(aten.mm.default, (k2, w), 128, 128)
+    g.g.output((o1, o2))
+    nodes = list(g.g.nodes)
+    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+    order = [n.name for n in inductor_order(walk, set(), _fusible) if n.op != "output"]
+    assert order.index(b2.name) < order.index(k1.name) and \
+        order.index(k2.name) == order.index(k1.name) + 1 and \
+        order.index(o1.name) > order.index(k2.name)

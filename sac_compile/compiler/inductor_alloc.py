@@ -1,23 +1,40 @@
 """What Inductor allocates for a walk of our graphs (:mod:`.peak`'s ``fused`` model): the
 rules by which its generated code holds fewer storages than an eager run of the same
-graph, read off the FX graph alone (the model chooses cuts before Inductor runs).
+graph, read off the FX graph alone (the model chooses cuts before Inductor runs). Each was
+found comparing, buffer by buffer, the code Inductor generates for the bench models
+(``empty_strided``, ``# reuse`` and ``del`` lines; replayed, they give the allocator's
+measured peak to the byte) with the walk; :func:`not_allocated` applies them in order.
 
 * **Fused away** (torch's partitioner's ``is_materialized`` rule): a fusible value whose
   every reader is fusible is computed inside the kernels that read it, never allocated;
-  those kernels read its inputs instead, which live until then.
+  those kernels read its inputs instead, which live until then. Inductor also draws
+  random numbers inside the kernel (``inductor_random``) and computes a concatenation's
+  fusible inputs into its slices. Not fused away: a reduction (always a buffer), and what
+  Inductor's lowering realizes, a value read twice whose expression reads more than 4
+  storages, or one reading more than 12 (without this the chain of a residual stream's
+  gradients is one expression, and every layer's matmul outputs lived to the end).
+* **addmm** (Inductor's post-grad pattern): a matrix product read only by an ``add`` is
+  computed by it, where the add runs (GPT-2's tied embedding: the logits' gradient, 8 MiB,
+  lives until the embedding's gradient at the backward's end).
 * **Written in place** (Inductor's ``decide_inplace_update``, ``config.inplace_buffers``):
   a kernel whose input storage dies in it writes its output into that storage when the
   two have the dtype and (within 5%, the output not larger) the size, and it reads the
   input at the index it writes (a pointwise chain, no transposing or broadcasting view).
   The forward's inputs are never written; the backward's saved activations are (torch
-  donates them, ``donated_buffer``), its tangents and parameters are not. On the bench
-  models this is where the walk overcounted most: Llama's loss backward writes the
-  logits' gradient (8 MiB) into the logits, not next to them.
+  donates them, ``donated_buffer``), its tangents and parameters are not. Llama's loss
+  backward writes the logits' gradient (8 MiB) into the logits, not next to them; a
+  forward's log_softmax is written into its logits.
+* **Reused** (the wrapper's memory planning, ``config.allow_buffer_reuse``): a freed
+  storage waits for the next allocation of its device, dtype and size, which takes it
+  (no new allocation) unless holding it across the gap would raise Inductor's estimate of
+  the peak; held, it counts from its last use until then.
 
-Measured (``benchmarks/peak_measured.py``): simulating the wrapper code Inductor generates
-(allocations, ``# reuse`` lines, ``del``) gives the allocator's peak to the byte; what is
-left between these rules and it is Inductor's order (a kernel fused with a later one runs
-later, and what reads it after it) - not modelled.
+Walked in Inductor's order (its scheduler's, read from the generated code), these rules
+give the allocator's step peak: Llama to the byte, GPT-2 -0.7%. In the graph's order what
+is left is Inductor's order - it fuses kernels that read the same storage, so a layer's
+recomputed attention scores are made during the next layer's backward, and what a fused
+kernel reads waits for it; and it reorders for its own estimate of the peak - not
+modelled.
 """
 from __future__ import annotations
 
@@ -59,9 +76,9 @@ def folded_into_addmm(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> dict[K
     of its dtype that broadcasts to it is computed by that add (one ``addmm``, where the
     add runs); its storage is never allocated and its inputs live until then. On the
     accelerators Inductor keeps the two apart when the add's readers are all pointwise
-    (here: ``fusible``). Of two products added, the second is folded. Returns each folded product's storage -> the
-    add. (GPT-2's tied embedding: its gradient from the logits, 4 MiB, is made at the
-    backward's end with the embedding's, the logits' gradient, 8 MiB, alive until then.)"""
+    (here: ``fusible``). Of two products added, the second is folded (Inductor's pattern
+    with the product second matches first). Returns each folded product's storage -> the
+    add."""
     out: dict[Key, fx.Node] = {}
     for n in walk.nodes:
         if n.target is not _aten.mm.default or len(n.users) != 1 or \
@@ -306,6 +323,9 @@ def reused(walk: _Walk, counted: Callable[[Key], bool], peak: int | None = None)
     return set(into)
 
 
+REORDER = True
+
+
 def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.Node | None],
                   fw_counted: Callable[[Key], bool], bw_counted: Callable[[Key], bool]
                   ) -> tuple[set[Key], set[Key]]:
@@ -316,6 +336,7 @@ def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], 
     a kept value (torch donates the saved activations), not into a tangent, a parameter,
     or what the forward also returns to the user."""
     from ..torch_internals import get_default_op_list
+    from .inductor_order import inductor_order
     made, read = inductor_fusible(get_default_op_list().is_fusible)
 
     def donated(k: Key) -> bool:
@@ -329,6 +350,12 @@ def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], 
                                      (bw_walk, bw_counted, donated)):
         folded = folded_into_addmm(walk, made)
         away = fused_away(walk, made, read) | set(folded)
+        if REORDER and walk is bw_walk:
+            seq = inductor_order(walk, away, made)
+            if seq is not walk.nodes:
+                walk.reorder(seq)
+                folded = folded_into_addmm(walk, made)
+                away = fused_away(walk, made, read) | set(folded)
         # Inductor weighs a reuse against its estimate of the graph's peak, made over its
         # kernels' outputs before it writes any in place or reuses any
         estimate = walk.sweep(lambda k: counted(k) and k not in away)[0]
