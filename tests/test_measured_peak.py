@@ -267,11 +267,10 @@ def test_aot_eager_step_model_is_the_measured_step_peak(name):
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_inductor_step_model_tracks_the_measured_step_peak(name):
     """Inductor fuses, reuses buffers and reorders. The model as Inductor allocates
-    (``peak.fused``: fused-away values not counted) is within 3% of the measured step peak
-    on the MLP and GPT fixtures (test size, torch 2.13: +1.3% and -0.1%; the walk without
-    the fusion rule: +1.3% and +6.5%), and its forward within 1% (equal, to the byte, on
-    2.13). Issue 27's target, 3% on every benchmark model at bench size, is not met yet
-    (benchmarks/peak_measured.py, README "Measured, and the model against it")."""
+    (``peak.fused``: ``compiler/inductor_alloc.py``'s rules, walked in
+    ``compiler/inductor_order.py``'s order) is within 3% of the measured step peak on the
+    MLP and GPT fixtures, and its forward within 1%. At bench size (issue 27, the slow test
+    below and benchmarks/peak_measured.py): MLP +0.1%, GPT -2.1%, GPT-2 -1.3%, Llama -2.9%."""
     peak, m = _compiled_step_peaks(name, "inductor")
     assert peak.fused is not None
     fused_err = abs(peak.fused.with_gradients / m.bytes - 1)
@@ -279,3 +278,21 @@ def test_inductor_step_model_tracks_the_measured_step_peak(name):
     assert fused_err <= abs(peak.with_gradients / m.bytes - 1)
     # the forward alone, as Inductor allocates it
     assert abs(peak.fused.forward / m.peak("step") - 1) <= 0.01, (peak.fused, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_inductor_step_model_within_3_percent_at_bench_size(name):
+    """Issue 27 at bench size, Hugging Face GPT-2 and Llama compiled whole with Inductor
+    (each decoder layer a relaxed(save_matmuls) region): the fused step model within 3% of
+    the allocator's step peak (torch 2.13: -1.3% and -2.9%; before the in-place, reuse,
+    addmm and horizontal-fusion rules -4.0% and +7.2%), its forward within 0.1%."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from peak_measured import case
+
+    row = case(name, "bench", "inductor")
+    assert abs(row["error_step"]) <= 0.03, row
+    assert abs(row["model_fw"] / row["measured_fw"] - 1) <= 0.001, row

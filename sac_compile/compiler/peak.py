@@ -20,10 +20,14 @@ code, which frees each value after its last use and the backward's inputs as con
 * only device bytes: where the graph has values on an accelerator, host copies (offload)
   are not counted.
 
-The order is the graphs' as extracted. ``peak.fused``: the walk as Inductor allocates
-(torch's ``is_materialized`` rule: a fusible value read only by fusible ops is computed in
-their kernels); its buffer reuse and reordering are not modelled
-(``benchmarks/peak_measured.py`` measures both against the allocator).
+Inductor may reorder and fuse the backward further (and keeps fewer intermediates); the
+model is the order of the graphs as extracted, the same for every compiler. ``peak.fused``
+is the same walk as Inductor allocates (:mod:`.inductor_alloc`: values computed inside
+the kernels that read them, written into a dying input, or into a storage freed earlier,
+read off the graph alone). Walked in the order Inductor's code runs, those rules give the
+allocator's step peak (Llama to the byte, GPT-2 -0.7%); the backward is walked in the order
+of Inductor's horizontal fusion (:mod:`.inductor_order`); its other reordering is not
+modelled (``benchmarks/peak_measured.py`` measures the rest against the allocator).
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ class _Walk:
 
     def __init__(self, seq: list[fx.Node], *, given: Iterable[fx.Node] = (),
                  outputs: Iterable[fx.Node] = (), vals: dict[str, Any] | None = None) -> None:
+        self._given, self._outputs = list(given), list(outputs)
         self.nodes = list(seq)
         self.vals = vals or {}  # values of nodes that carry none, by name
         self.made_by_producer: dict[fx.Node, list[Key | None]] = {}
@@ -109,6 +114,7 @@ class _Walk:
         self.made_at: dict[Key, int] = {}
         self.size: dict[Key, int] = {}
         self.device: dict[Key, str] = {}
+        self.dtype: dict[Key, torch.dtype] = {}
         self.last: dict[Key, int] = {}
         self.maker: dict[Key, fx.Node] = {}
         for g in sorted(given, key=lambda n: n.name):  # alive before the first node
@@ -133,6 +139,10 @@ class _Walk:
                     self.last[k] = end
                     self.outputs.add(k)
 
+    def reorder(self, seq: list[fx.Node]) -> None:
+        """The same walk over ``seq``, the same nodes in another order (storages anew)."""
+        self.__init__(seq, given=self._given, outputs=self._outputs, vals=self.vals)
+
     def _make(self, n: fx.Node, pos: int) -> list[Key | None]:
         out: list[Key | None] = []
         val = graph_meta.val(n) if graph_meta.has_val(n) else self.vals.get(n.name)
@@ -144,6 +154,7 @@ class _Walk:
             self.made_at[key] = pos
             self.size[key] = costs._tensor_bytes(t)
             self.device[key] = t.device.type
+            self.dtype[key] = t.dtype
             self.maker[key] = n
             self.last.setdefault(key, pos)
             out.append(key)
@@ -286,11 +297,13 @@ def _with_temporaries(walk: _Walk, counted: Callable[[Key], bool]) -> Callable[[
 def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.Node]
                 ) -> MemoryPeak:
     """The same walks as Inductor allocates: without the values it computes inside the
-    kernels that read them (:func:`_fused_away`, whose inputs live until those kernels)."""
-    from ..torch_internals import get_default_op_list
-    fusible = get_default_op_list().is_fusible
+    kernels that read them, writes into a dying input or into a storage freed earlier
+    (:func:`.inductor_alloc.not_allocated`)."""
+    from .inductor_alloc import not_allocated
     fw_walk, bw_walk, fw_counted, bw_counted, grads_counted = _split_walks(fw, bw, by_name)
-    fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+    # Inductor plans the backward's reuse with every storage it allocates, its gradients too
+    fw_away, bw_away = not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name),
+                                     fw_counted, grads_counted)
     forward = fw_walk.sweep(lambda k: fw_counted(k) and k not in fw_away)[0]
     backward = bw_walk.sweep(lambda k: bw_counted(k) and k not in bw_away)[0]
     fw_step = _with_temporaries(fw_walk, fw_counted)
@@ -362,32 +375,6 @@ def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
     return True
 
 
-def _fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> set[Key]:
-    """Inductor's view of a walk (torch's partitioner's ``is_materialized`` rule): a
-    storage that is neither given nor an output, made by a fusible op whose every reader in
-    the walk (through views) is fusible, is computed inside the kernels that read it and
-    never allocated; those kernels read its inputs instead, which live until then. Returns
-    those storages, and extends the last uses of their inputs in ``walk``."""
-    in_walk = set(walk.nodes)
-
-    def away(k: Key) -> bool:
-        n = walk.maker[k]
-        if k in walk.outputs or n.name in walk.given_names or n.op != "call_function" or \
-                not fusible(n):
-            return False
-        return read_only_by_fusible(n, in_walk, fusible)
-
-    out = {k for k in walk.made_at if away(k)}
-    for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
-        for k in walk.keys.get(n, ()):
-            if k in out and k[0] == n.name:
-                for a in n.all_input_nodes:
-                    for ka in walk.keys.get(a, ()):
-                        if ka is not None:
-                            walk.last[ka] = max(walk.last.get(ka, -1), walk.last[k])
-    return out
-
-
 def cut_peak(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node]) -> int:
     """The peak (forward or backward, the larger) of the split a cut would give: the larger
     of :func:`cut_peaks`."""
@@ -401,9 +388,9 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
     cut keeps. The forward runs what the forward outputs and the kept values need, in graph
     order; the backward runs its ops in graph order, each preceded by the recomputed values
     it needs and has not yet (:func:`.order.reorder_like_autograd`'s order). ``fused``: as
-    Inductor allocates, without the values it computes inside the kernels that read them
-    (:func:`_fused_away`). ``with_gradients``: the backward's peak counts the gradients it
-    hands back from the node that makes each (the step's, ``MemoryPeak.with_gradients``)."""
+    Inductor allocates (:func:`.inductor_alloc.not_allocated`). ``with_gradients``: the
+    backward's peak counts the gradients it hands back from the node that makes each (the
+    step's, ``MemoryPeak.with_gradients``)."""
     kept = set(kept)
     order = {n: i for i, n in enumerate(cls.nodes)}
     fw_outputs = [o for o in cls.fwd_outputs if isinstance(o, fx.Node)]
@@ -437,13 +424,13 @@ def cut_peaks(graph: fx.Graph, cls: Any, kept: Iterable[fx.Node], *, fused: bool
     bw_walk = _Walk(bw_seq, given=[*kept, *tangents],
                     outputs=[o for o in cls.bwd_outputs if isinstance(o, fx.Node)])
     fw_counted, bw_counted = _counters(fw_walk, bw_walk, lambda n: n)
+    grads_counted = _with_gradients(fw_walk, bw_walk, bw_counted)
     if with_gradients:
-        fw_counted = _with_temporaries(fw_walk, fw_counted)
-        bw_counted = _with_gradients(fw_walk, bw_walk, bw_counted)
-    if fused:
-        from ..torch_internals import get_default_op_list
-        fusible = get_default_op_list().is_fusible
-        fw_away, bw_away = _fused_away(fw_walk, fusible), _fused_away(bw_walk, fusible)
+        fw_counted, bw_counted = _with_temporaries(fw_walk, fw_counted), grads_counted
+    if fused:  # reuse planned over every storage the backward allocates (as _fused_peak)
+        from .inductor_alloc import not_allocated
+        fw_away, bw_away = not_allocated(fw_walk, bw_walk, lambda n: n, fw_counted,
+                                         grads_counted)
         fw_all, bw_all = fw_counted, bw_counted
         fw_counted = lambda k: fw_all(k) and k not in fw_away  # noqa: E731
         bw_counted = lambda k: bw_all(k) and k not in bw_away  # noqa: E731

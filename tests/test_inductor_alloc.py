@@ -1,0 +1,234 @@
+"""Issue 27: the peak model as Inductor allocates (``compiler/inductor_alloc.py``), rule by
+rule, on hand-built graphs; figures are bytes, no compiling, no clock. The rules are read
+off Inductor's generated code (``benchmarks/peak_measured.py``, README "Measured, and the
+model against it"); ``tests/test_measured_peak.py`` holds the whole model to the allocator.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from sac_compile.compiler import inductor_alloc as ia
+from sac_compile.compiler.peak import _Walk, cut_peaks
+from sac_compile.cut.network import classify
+
+aten, prims = torch.ops.aten, torch.ops.prims
+KIB = 1024
+
+
+class _G:
+    """A graph built op by op, each node with a value of the given shape (float32)."""
+
+    def __init__(self) -> None:
+        self.g = fx.Graph()
+
+    def input(self, name: str, *shape: int, dtype=torch.float32) -> fx.Node:
+        n = self.g.placeholder(name)
+        n.meta["val"] = torch.empty(shape, dtype=dtype)
+        return n
+
+    def op(self, target, args, *shape: int, dtype=torch.float32) -> fx.Node:
+        n = self.g.call_function(target, args)
+        n.meta["val"] = torch.empty(shape, dtype=dtype)
+        return n
+
+
+def _everything(walk: _Walk):
+    return lambda k: k[0] not in walk.given_names
+
+
+def _fusible(n: fx.Node) -> bool:
+    from sac_compile.torch_internals import get_default_op_list
+    return get_default_op_list().is_fusible(n)
+
+
+# -- written in place ------------------------------------------------------------------------
+
+def _joint(read: str = "h", dtype=torch.float32) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """h = x @ w (256 KiB, kept) then relu; backward: d = tangent * h (``read="h"``), or
+    tangent * h.T (``"transposed"``), or tangent * 2 (``"tangent"``); then w's gradient
+    x.T @ d. Returns the joint graph and the cut's kept values (x, w, h)."""
+    b = _G()
+    x, w = b.input("primals_1", 256, 64), b.input("primals_2", 64, 256)
+    tangent = b.input("tangents_1", 256, 256, dtype=dtype)
+    h = b.op(aten.mm.default, (x, w), 256, 256)
+    out = b.op(aten.relu.default, (h,), 256, 256)
+    if read == "tangent":
+        d = b.op(aten.mul.Tensor, (tangent, 2.0), 256, 256, dtype=dtype)
+    else:
+        other = h
+        if read == "transposed":
+            other = b.g.call_function(aten.t.default, (h,))
+            other.meta["val"] = torch.empty(256, 256).t()
+        d = b.op(aten.mul.Tensor, (tangent, other), 256, 256, dtype=dtype)
+    gw = b.op(aten.mm.default, (b.op(aten.t.default, (x,), 64, 256), d), 64, 256)
+    b.g.output((out, gw))
+    return fx.GraphModule({}, b.g), [x, w, h]
+
+
+def _bw_peaks(gm: fx.GraphModule, kept: list[fx.Node]) -> tuple[int, int]:
+    cls = classify(gm, 1)
+    return cut_peaks(gm.graph, cls, kept)[1], cut_peaks(gm.graph, cls, kept, fused=True)[1]
+
+
+def test_a_pointwise_gradient_is_written_into_the_kept_value_it_reads_last():
+    """The backward's d = tangent * h: h (a kept value, donated by torch) dies in d's kernel,
+    which writes d into it: the peak is h and the tangent, not those and d."""
+    assert _bw_peaks(*_joint()) == (3 * 256 * KIB, 2 * 256 * KIB)
+
+
+@pytest.mark.parametrize("read", ["tangent", "transposed"])
+def test_nothing_is_written_into_a_tangent_or_through_a_transpose(read):
+    """torch does not donate the tangent; h read through its transpose is read at another
+    index than d is written: d is allocated."""
+    plain, fused = _bw_peaks(*_joint(read))
+    assert fused == plain
+
+
+def test_nothing_is_written_into_a_storage_of_another_dtype():
+    plain, fused = _bw_peaks(*_joint(dtype=torch.float64))
+    assert fused == plain
+
+
+# -- reuse of freed storages ------------------------------------------------------------------
+
+def _chain(big: int) -> _Walk:
+    """a = x @ w1 (64 KiB); b = a @ w2 (``big`` KiB); c = b @ w3 (64 KiB); d = c @ w1: a
+    dies at b, and c is of a's kind."""
+    b = _G()
+    x = b.input("x", 128, 128)
+    w1, w2, w3 = b.input("w1", 128, 128), b.input("w2", 128, big * 2), \
+        b.input("w3", big * 2, 128)
+    a = b.op(aten.mm.default, (x, w1), 128, 128)
+    m = b.op(aten.mm.default, (a, w2), 128, big * 2)
+    c = b.op(aten.mm.default, (m, w3), 128, 128)
+    d = b.op(aten.mm.default, (c, w1), 128, 128)
+    b.g.output((d,))
+    nodes = list(b.g.nodes)
+    return _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+
+
+def test_a_freed_storage_is_taken_by_the_next_allocation_of_its_kind():
+    """c takes a's storage (freed when b ran, the node before): nothing new allocated, a's
+    storage held until c's last use, the peak unchanged."""
+    walk = _chain(1024)
+    a, _, c, _ = (n.name for n in walk.nodes[:4])
+    plain = walk.sweep(_everything(walk))[0]
+    taken = ia.reused(walk, _everything(walk))
+    assert taken == {(c, 0)}
+    assert walk.sweep(lambda k: _everything(walk)(k) and k not in taken)[0] == plain
+    assert walk.last[(a, 0)] == walk.last[(c, 0)]
+
+
+def test_a_storage_is_not_held_across_a_gap_that_would_raise_the_peak():
+    """d's kind is a's, freed two nodes before: holding it across b's allocation (the
+    peak) would raise the peak, so d is allocated anew; with a higher estimate of the peak
+    to weigh against (Inductor's own), it is held and the peak includes it."""
+    b = _G()
+    x, w = b.input("x", 128, 128), b.input("w", 128, 128)
+    wide = b.input("wide", 128, 2048)
+    a = b.op(aten.mm.default, (x, w), 128, 128)           # 64 KiB
+    s = b.op(aten.mm.default, (a, w), 128, 128)           # 64 KiB: a dies here
+    big = b.op(aten.mm.default, (s, wide), 128, 2048)     # 1 MiB: the peak
+    t = b.op(aten.sum.dim_IntList, (big, [1], True), 128, 1)
+    d = b.op(aten.mul.Tensor, (x, t), 128, 128)           # 64 KiB, a's kind
+    b.g.output((d, s))
+    nodes = list(b.g.nodes)
+    seq = [n for n in nodes if n.op != "placeholder"]
+    given = [n for n in nodes if n.op == "placeholder"]
+    walk = _Walk(seq, given=given)
+    plain = walk.sweep(_everything(walk))[0]
+    assert ia.reused(walk, _everything(walk)) == set()
+    walk = _Walk(seq, given=given)
+    taken = ia.reused(walk, _everything(walk), plain + 64 * KIB)
+    assert taken == {(d.name, 0)}
+    assert walk.sweep(lambda k: _everything(walk)(k) and k not in taken)[0] == \
+        plain + 64 * KIB
+
+
+# -- addmm, random numbers, realized values --------------------------------------------------
+
+def test_a_product_read_only_by_an_add_is_made_where_the_add_runs():
+    """add(mm(a, b), c) on the CPU is one addmm: the product's storage is never allocated
+    and a, b are read at the add. Of two products added, the second is folded."""
+    g = _G()
+    a, bb, c = g.input("a", 128, 64), g.input("b", 64, 128), g.input("c", 128, 128)
+    p = g.op(aten.mm.default, (a, bb), 128, 128)
+    q = g.op(aten.mm.default, (a, bb), 128, 128)
+    s = g.op(aten.add.Tensor, (p, q), 128, 128)
+    late = g.op(aten.relu.default, (c,), 128, 128)
+    s2 = g.op(aten.add.Tensor, (g.op(aten.mm.default, (a, bb), 128, 128), late), 128, 128)
+    g.g.output((s, s2))
+    nodes = list(g.g.nodes)
+    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+    folded = ia.folded_into_addmm(walk, _fusible)
+    assert {k[0]: add for k, add in folded.items()} == {q.name: s, s2.args[0].name: s2}
+    assert walk.last[(a.name, 0)] == walk.nodes.index(s2)  # (its last reader, the addmm)
+
+
+def test_random_numbers_are_drawn_inside_the_kernel_that_reads_them():
+    g = _G()
+    seed = g.input("seed", dtype=torch.int64)
+    x = g.input("x", 256, 256)
+    r = g.op(prims.inductor_random.default, ([256, 256], seed, "rand"), 256, 256)
+    keep = g.op(aten.gt.Scalar, (r, 0.1), 256, 256, dtype=torch.bool)
+    y = g.op(aten.mul.Tensor, (x, keep), 256, 256)
+    g.g.output((y,))
+    nodes = list(g.g.nodes)
+    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+    made, read = ia.inductor_fusible(_fusible)
+    assert ia.fused_away(walk, made, read) == {(r.name, 0), (keep.name, 0)}
+
+
+@pytest.mark.parametrize("inputs,allocated", [(4, False), (5, True)])
+def test_a_value_read_twice_is_allocated_when_it_reads_more_than_four_storages(inputs,
+                                                                             allocated):
+    """Inductor's lowering realizes a pointwise value with two readers whose inlined
+    expression reads more than 4 storages (``realize_reads_threshold``); fewer, and it is
+    computed in both readers' kernels."""
+    g = _G()
+    xs = [g.input(f"x{i}", 64, 64) for i in range(inputs)]
+    s = xs[0]
+    for x in xs[1:]:
+        s = g.op(aten.add.Tensor, (s, x), 64, 64)
+    r1 = g.op(aten.relu.default, (s,), 64, 64)
+    r2 = g.op(aten.neg.default, (s,), 64, 64)
+    w = g.input("w", 64, 64)
+    o1, o2 = g.op(aten.mm.default, (r1, w), 64, 64), g.op(aten.mm.default, (r2, w), 64, 64)
+    g.g.output((o1, o2))
+    nodes = list(g.g.nodes)
+    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+    away = ia.fused_away(walk, _fusible)
+    assert ((s.name, 0) not in away) is allocated
+    assert (r1.name, 0) not in away  # read by a matrix product: allocated
+
+
+# -- Inductor's order: horizontal fusion -----------------------------------------------------
+
+def test_kernels_reading_the_same_storage_run_together_where_the_first_ran():
+    """Two softmax-like kernels read the mask (as two layers' recomputed attention does):
+    fused, the second runs with the first, so the product it reads (b2, 64 KiB) is made
+    before it - and alive across what ran between them."""
+    from sac_compile.compiler.inductor_order import inductor_order
+    g = _G()
+    mask, x, w = g.input("mask", 128, 128), g.input("x", 128, 128), g.input("w", 128, 128)
+    b1 = g.op(aten.mm.default, (x, w), 128, 128)
+    k1 = g.op(aten.mul.Tensor, (b1, mask), 128, 128)
+    o1 = g.op(aten.mm.default, (k1, w), 128, 128)
+    b2 = g.op(aten.mm.default, (o1, w), 128, 128)  # between: depends on neither kernel's...
+    b2.args = (x, w)                                # ...output (read from the inputs)
+    k2 = g.op(aten.mul.Tensor, (b2, mask), 128, 128)
+    o2 = g.op(aten.mm.default, (k2, w), 128, 128)
+    g.g.output((o1, o2))
+    nodes = list(g.g.nodes)
+    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+                 given=[n for n in nodes if n.op == "placeholder"])
+    order = [n.name for n in inductor_order(walk, set(), _fusible) if n.op != "output"]
+    assert order.index(b2.name) < order.index(k1.name) and \
+        order.index(k2.name) == order.index(k1.name) + 1 and \
+        order.index(o1.name) > order.index(k2.name)
