@@ -15,7 +15,8 @@
   ``flop_counter`` formula, see ``sac_compile.op_costs.op_flops``);
 * with a memory budget (compile): ``memory_budget`` as given, ``budget_bytes`` (the cap on
   ``activation_bytes``; under a ``PeakBudget``, the cap on the step's modelled peak,
-  ``budget_peak``) and ``evicted``: values saved without the budget and recomputed with it,
+  ``budget_peak``; with Inductor, ``budget_measured``: the split's step run once before the
+  first step) and ``evicted``: values saved without the budget and recomputed with it,
   with the reason;
 * ``snapshot()``: deterministic text for expecttest; ``str(report)``: a readable table.
 
@@ -141,6 +142,9 @@ class PartitionReport:
     # under a PeakBudget: the final graphs' modelled step peak, what budget_bytes caps
     # (``peak.with_gradients``; under Inductor ``peak.fused.with_gradients``)
     budget_peak: int | None = None
+    # under a PeakBudget with Inductor: the step peak measured by running the compiled split
+    # once on copies of its inputs before the first step (compiler.measured_fit)
+    budget_measured: int | None = None
     evicted: list[SavedTensorRecord] = dataclasses.field(default_factory=list)
     # eager explain: bytes autograd keeps outside every region (parameters excluded)
     outside_bytes: int | None = None
@@ -195,6 +199,8 @@ class PartitionReport:
         if hasattr(b, "label"):  # a PeakBudget: it caps the peak
             peak = f"modelled step peak {fmt_bytes(self.budget_peak)}, " \
                 if self.budget_peak is not None else ""
+            if self.budget_measured is not None:
+                peak += f"measured {fmt_bytes(self.budget_measured)}, "
             return (f"{b.label()} = {fmt_bytes(self.budget_bytes or 0)}: {peak}"
                     f"{fmt_bytes(self.activation_bytes)} of activations saved")
         given = f"{b * 100:g}%" if isinstance(b, float) else fmt_bytes(b)

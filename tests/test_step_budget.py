@@ -36,23 +36,22 @@ def _ok(point):
     return point
 
 
-_INDUCTOR_MODEL = pytest.mark.xfail(strict=True, reason=(
-    "the fused step model is below Inductor's allocations on full-AC-like cuts (GPT-2 "
-    "-18%, Llama -12%, dropout 0): measured above the budget at its low end"))
+# (name, budget) -> (modelled, measured) step peaks of the Inductor points, for the model's test
+INDUCTOR_POINTS: dict[tuple[str, int], tuple[int, int]] = {}
 
 
 @pytest.mark.parametrize("name,compiler", [
-    ("gpt2", "aot_eager"), ("llama", "aot_eager"),
-    pytest.param("gpt2", "inductor", marks=_INDUCTOR_MODEL),
-    pytest.param("llama", "inductor", marks=_INDUCTOR_MODEL),
+    ("gpt2", "aot_eager"), ("llama", "aot_eager"), ("gpt2", "inductor"), ("llama", "inductor"),
 ])
 def test_measured_step_peak_within_the_budget(name, compiler, references):
     """Three budgets from full AC's measured step peak (the lower of torch's
     ``torch.utils.checkpoint`` on every layer and our ``recompute_all`` regions; where our
     search cannot reach it, the least it finds, at most 5% above) to no budget's: the
     measured peak is at most the budget and at least 85% of it (the plan uses what it is
-    given), the gradients are no checkpointing's, the model is within 3% of the
-    measurement, and the recompute falls as the budget rises. Inductor: dropout 0 (its
+    given), the gradients are no checkpointing's, and the recompute falls as the budget
+    rises; under aot_eager the model is within 3% of the measurement (under Inductor the
+    budget holds by the measured trial, ``compiler/measured_fit.py``: the model's error
+    there is the next test's). Inductor: dropout 0 (its
     gradients are checked against eager's only with eager's RNG, ``fallback_random``,
     which allocates the masks Inductor's own RNG computes inside its kernels)."""
     dropout = compiler != "inductor"
@@ -78,9 +77,25 @@ def test_measured_step_peak_within_the_budget(name, compiler, references):
         print(f"{name} {compiler} PeakBudget({n}): measured {p.measured}, modelled "
               f"{p.modelled}, {p.flops} FLOPs recomputed")
         assert 0.85 * n <= p.measured <= n, (n, p)
-        assert abs(p.modelled / p.measured - 1) <= 0.03, p
+        if compiler == "inductor":
+            INDUCTOR_POINTS[name, n] = (p.modelled, p.measured)
+        else:
+            assert abs(p.modelled / p.measured - 1) <= 0.03, p
         flops.append(p.flops)
     assert flops == sorted(flops, reverse=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the fused model misses Inductor's reordering on full-AC-like cuts: Llama -8.5% "
+    "(26,208,256 modelled, 28,650,504 measured at PeakBudget(29,035,528))"))
+def test_inductor_step_model_within_3_percent_at_the_budgets():
+    """The Inductor points of the test above: the modelled step peak of each split is
+    within 3% of its measured one (issue 27's target for the model)."""
+    if not INDUCTOR_POINTS:
+        pytest.skip("runs after test_measured_step_peak_within_the_budget's Inductor points")
+    errors = {k: m / p - 1 for k, (m, p) in INDUCTOR_POINTS.items()}
+    print({k: f"{e:+.1%}" for k, e in errors.items()})
+    assert all(abs(e) <= 0.03 for e in errors.values()), errors
 
 
 def _misses(reason):

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from ..budgets import PeakBudget
 from ..report import PartitionReport
 from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInductorWrapper,
                                get_hash_for_files)
 from .budget_runs import counted
+from .measured_fit import fit_measured
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
 from .near_fusion import near_fusion_patches
@@ -63,7 +65,9 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
                                        {**default_options, **(options or {})} or None)
             _let_caches_serve(gm, partitioner)
             with sac_partitioning(), _closing_checkpoints_on_error():
-                return counted(gm, compile_fx(gm, example_inputs, config_patches=patches))
+                return counted(gm, fit_measured(
+                    lambda: compile_fx(gm, example_inputs, config_patches=patches),
+                    example_inputs, partitioner))
 
         backend = sac_inductor
     elif compiler == "aot_eager":
@@ -129,9 +133,12 @@ def _closing_checkpoints_on_error() -> Any:
 def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:
     """Name each region of Dynamo's graph (regions of one group share a token); key our
     regions for AOTAutograd's cache, unless reports are asked for (a hit would skip the
-    partitioner and its ``on_partition`` call) or the partitioner is not ours."""
+    partitioner and its ``on_partition`` call), a PeakBudget is (its split's step is
+    measured against the cap the partitioner resolved, :mod:`.measured_fit`), or the
+    partitioner is not ours."""
     name_regions(gm)
-    if isinstance(partitioner, SACPartitioner) and partitioner.on_partition is None:
+    if isinstance(partitioner, SACPartitioner) and partitioner.on_partition is None and \
+            not isinstance(partitioner.memory_budget, PeakBudget):
         annotate_regions(gm)
 
 

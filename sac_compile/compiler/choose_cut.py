@@ -69,7 +69,7 @@ def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
 
 def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx.Node],
                memory_budget: float | int | PeakBudget | None, solver: str, *,
-               fusing: bool = False) -> Cut:
+               fusing: bool = False, peak_margin: int = 0) -> Cut:
     """The cut of ``net``: without a budget, under ``memory_budget`` (a
     :class:`~sac_compile.budgets.PeakBudget`: the cheapest kept-byte budget whose cut's
     modelled peak fits, :mod:`.peak_budget`), or under the regions' budgets (torch's global
@@ -106,7 +106,7 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
             return solve_with_budget(n, kept_cap, solver, exact=exact), None
 
         (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
-                                                     fused=fusing)
+                                                     fused=fusing, margin=peak_margin)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
                    peak_fit=fit, size_guards=_guard_sizes(net, memory_budget, regions))

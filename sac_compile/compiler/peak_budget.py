@@ -106,11 +106,12 @@ def step_peak(gm: fx.GraphModule, net: FlowNetwork, kept: set[fx.Node], *,
 
 def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                       under: Callable[[FlowNetwork, float | int, bool], Solved], *,
-                      fused: bool = False) -> tuple[Solved, Floor, PeakFit]:
+                      fused: bool = False, margin: int = 0) -> tuple[Solved, Floor, PeakFit]:
     """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
     solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
     solver's exact program); ``fused``: the graphs go to Inductor (the peak as it
-    allocates). Returns the chosen solve, what the region-boundary floor did for it, and
+    allocates); ``margin``: bytes the cap is lowered by (what a measured step was above
+    it, :mod:`.measured_fit`). Returns the chosen solve, what the region-boundary floor did for it, and
     how the budget was met."""
     tried: list[_Candidate] = []
     exact_each = len(net.cls.nodes) <= EXACT_EACH_MAX_NODES
@@ -132,7 +133,7 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
 
     base = candidate(None)
     assert base is not None  # (it raises instead)
-    cap = budget.cap(base.peak)
+    cap = budget.cap(base.peak) - margin
     fits = [base] if base.peak <= cap else []
     if not fits:
         most = base.kept_bytes

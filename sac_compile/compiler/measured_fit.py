@@ -1,0 +1,182 @@
+"""A :class:`~sac_compile.budgets.PeakBudget` under Inductor, held by the allocator's figure
+rather than by the model: the compiled graph's step is run once, on copies of its inputs,
+before the backend hands it out; where the measured peak is above the cap, the split is
+made again under a cap lowered by the excess, and measured again. Where a lowering did not
+lower the measured peak (the model's error is not the same at every cut), the next is
+lowered by the model's error at that split (measured minus modelled) or twice the excess,
+the more; below the least the model finds, the model's least is tried.
+
+Why: the cut is chosen before Inductor runs, against the model of what Inductor allocates
+(:mod:`.inductor_alloc`). The model follows Inductor's allocation rules but not all of its
+reordering; near full AC's peak it was measured 3-5% low on HF GPT-2 and Llama (bench), so
+a split the model fits could peak above the budget. A measured byte beats a modelled one:
+the trial is the step as the user's will run it (the same compiled code, the same shapes),
+measured by :mod:`sac_compile.measured_peak` (CPU: the profiler's allocation events; an
+accelerator: its allocator's peak statistic), and costs one forward and backward per try at
+compile time.
+
+The trial runs on copies of the graph's tensor inputs (the user's parameters and buffers
+are never written, their ``.grad`` never touched), with the RNG state restored afterwards
+(the user's random stream is unchanged). It is skipped, with a report note saying so,
+where it cannot measure: a profiler already running (CPU), inputs that are tensor
+subclasses, or no output needing a gradient (nothing to budget). Each try is a partition
+whose report goes to ``on_partition`` only for the split kept, its notes saying what was
+measured.
+Still above the cap after :data:`MAX_TRIES`: :class:`~sac_compile.errors.BudgetUnreachableError`
+with the least measured peak as the proposed budget.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..budgets import PeakBudget
+from ..errors import BudgetUnreachableError
+from .partition import SACPartitioner
+
+__all__ = ["fit_measured", "trial_step_peak", "MAX_TRIES"]
+
+MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the excess)
+
+
+def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
+                 partitioner: SACPartitioner) -> Any:
+    """``compile_once()`` (the backend's compile of one Dynamo graph), made again under a
+    lower cap while its measured step peak is above ``partitioner``'s PeakBudget."""
+    budget = partitioner.memory_budget
+    if not isinstance(budget, PeakBudget):
+        return compile_once()
+    measured: list[tuple[int, int]] = []  # (margin, measured peak) per try
+    margin = 0
+    emit, partitioner.on_partition = partitioner.on_partition, None  # the kept split's only
+    try:
+        for _ in range(MAX_TRIES):
+            partitioner.peak_margin, partitioner.last_report = margin, None
+            try:
+                with _backward_compiled_now():
+                    compiled = compile_once()
+            except BudgetUnreachableError as e:
+                if not measured:
+                    raise
+                # lowered below the least the model finds: try that least (its split of
+                # the lowest modelled peak), unless it was tried
+                least_margin = cap - e.least_bytes
+                if least_margin <= max(m for m, _ in measured):
+                    raise _still_above(budget, cap, measured, e) from e
+                margin = least_margin
+                continue
+            report = partitioner.last_report
+            if report is None:
+                return compiled  # not partitioned (an inference graph)
+            if report.budget_bytes is None:  # (split by torch's partitioner: no regions)
+                return _emitted(compiled, report, emit)
+            cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
+            peak, why_not = trial_step_peak(compiled, example_inputs)
+            if peak is None:
+                report.notes.append(f"{budget.label()}: the step was not measured before "
+                                    f"the first run ({why_not}); it holds as the model does")
+                return _emitted(compiled, report, emit)
+            measured.append((margin, peak))
+            if peak <= cap:
+                report.notes.append(_held_note(budget, cap, measured))
+                report.budget_bytes, report.budget_measured = cap, peak
+                return _emitted(compiled, report, emit)
+            # lowered by the excess; where the last lowering did not lower the measured
+            # peak, by the model's error at this split (what it measured above its modelled
+            # step peak) if that is more, else by twice the excess
+            excess = peak - cap
+            stuck = len(measured) > 1 and peak >= measured[-2][1]
+            error = peak - (report.budget_peak or peak)
+            margin = max(margin + excess * (2 if stuck else 1), error if stuck else 0)
+        raise _still_above(budget, cap, measured, None)
+    finally:
+        partitioner.peak_margin, partitioner.on_partition = 0, emit
+
+
+@contextlib.contextmanager
+def _backward_compiled_now() -> Iterator[None]:
+    """AOTAutograd compiles the backward when it first runs, by default: the trial runs it
+    inside Dynamo's compile, where that second compile's metrics collide with the first's;
+    so the backward is compiled with the forward (as torch's ``standalone_compile`` does)."""
+    from ..torch_internals import functorch_config
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+def _emitted(compiled: Any, report: Any, emit: Callable[[Any], Any] | None) -> Any:
+    if emit is not None:
+        emit(report)
+    return compiled
+
+
+def _held_note(budget: PeakBudget, cap: int, measured: list[tuple[int, int]]) -> str:
+    tries = "; then ".join(f"{p:,} B with the cap lowered by {m:,} B" if m else
+                           f"{p:,} B" for m, p in measured)
+    return (f"{budget.label()}: the compiled step, run once on copies of its inputs before "
+            f"the first step, measured {tries} (cap {cap:,} B)")
+
+
+def _still_above(budget: PeakBudget, cap: int, measured: list[tuple[int, int]],
+                 cause: BudgetUnreachableError | None) -> BudgetUnreachableError:
+    from ..report import fmt_bytes
+    least = min(p for _, p in measured)
+    why = ("the model cannot lower the split's peak further" if cause is not None else
+           f"after {len(measured)} splits, each under a cap lowered by what the last one "
+           "measured above it")
+    return BudgetUnreachableError(
+        f"{budget.label()} is not met, measured: the compiled step, run once on copies of "
+        f"its inputs, peaked at {', '.join(f'{p:,} B' for _, p in measured)} (cap "
+        f"{fmt_bytes(cap)}), and {why}. "
+        f"Raise the budget to at least the least measured, "
+        f"memory_budget=PeakBudget({least}), or checkpoint more values (a policy that "
+        "recomputes more, or MUST_RECOMPUTE where the policy saves)",
+        budget=budget.value, least_bytes=least,
+        unconstrained_bytes=cause.unconstrained_bytes if cause is not None else least,
+        proposed_budget=PeakBudget(least))
+
+
+def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
+                    ) -> tuple[int | None, str]:
+    """The measured peak of one step of ``compiled`` (its forward, then the backward of
+    the sum of every output needing a gradient) on copies of
+    ``example_inputs``: what the step allocates above its start, the gradients it makes
+    included. ``(None, why)`` where it cannot be measured."""
+    from ..measured_peak import measured_peak
+    tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)]
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return None, "its inputs include tensor subclasses"
+    devices = {t.device for t in tensors}
+    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    if device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+        return None, "a profiler is running, and the CPU measurement is the profiler's"
+    copies = {}  # one copy per input storage, so inputs that alias still do
+    args = [_copy(a, copies) for a in example_inputs]
+    cuda = [d for d in devices if d.type == "cuda"]
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
+        with measured_peak(device) as m:
+            outputs = [o for o in tree_leaves(compiled(*args))
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not outputs:
+                return None, "no output needs a gradient"
+            # the gradients of a loss that sums them: a one, expanded (not allocated)
+            torch.autograd.backward(outputs, [torch.ones((), dtype=o.dtype, device=o.device)
+                                              .expand(o.shape) for o in outputs])
+            del outputs
+    return m.peak(), ""
+
+
+def _copy(a: Any, copies: dict[Any, torch.Tensor]) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    key = (a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape),
+           tuple(a.stride()), a.dtype)
+    if key not in copies:
+        copies[key] = a.detach().clone().requires_grad_(a.requires_grad)
+    return copies[key]

@@ -1,0 +1,121 @@
+"""A PeakBudget under Inductor is held by the allocator's figure (``compiler/measured_fit.py``):
+the compiled split's step runs once on copies of its inputs before the backend hands it out,
+and a split measured above the cap is made again under a lower cap. Issue 17's stack (6
+blocks, relaxed save_matmuls), compiled by Inductor; figures are bytes and counts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fixtures.stack import Stack, stack_inputs
+from sac_compile import BudgetUnreachableError, PeakBudget, policies
+from sac_compile.compiler import SACPartitioner, make_backend, measured_fit
+from sac_compile.measured_peak import measure_peak, measured_peak
+from sac_compile.report import PartitionReport
+
+RELAXED = policies.relaxed(policies.save_matmuls)
+CAP = 2_000_000
+
+
+def _compiled_step(budget, monkeypatch=None, trial=None):
+    """(reports, trial calls, partitions, measured step) of issue 17's stack under
+    ``budget``, Inductor; ``trial``: stands in for the measured trial (calls, cap -> peak)."""
+    torch._dynamo.reset()
+    model, x = Stack(6, policy=RELAXED), stack_inputs()
+    reports: list[PartitionReport] = []
+    calls, partitions = [], []
+    if monkeypatch is not None:
+        real_partition = SACPartitioner._partition
+
+        def counted(self, *a, **k):
+            partitions.append(self.peak_margin)
+            return real_partition(self, *a, **k)
+        monkeypatch.setattr(SACPartitioner, "_partition", counted)
+        if trial is not None:
+            def fake(compiled, inputs):
+                calls.append(1)
+                return trial(len(calls)), ""
+            monkeypatch.setattr(measured_fit, "trial_step_peak", fake)
+    fn = torch.compile(model, backend=make_backend(memory_budget=budget,
+                                                   on_partition=reports.append))
+    fn(x).backward()  # compiles
+    for p in model.parameters():
+        p.grad = None
+    with measured_peak() as m:
+        fn(x).backward()
+    return reports, calls, partitions, m
+
+
+def test_the_measured_trial_is_the_step_the_user_runs():
+    """The split's step, run once before the first step, measured what the step measures
+    after it (the loss's bytes apart), within the cap; the report says so."""
+    reports, _, _, m = _compiled_step(PeakBudget(CAP))
+    (report,) = reports
+    assert report.budget_bytes == CAP
+    assert report.budget_measured is not None
+    assert abs(m.bytes - report.budget_measured) <= 16, (m.bytes, report.budget_measured)
+    assert m.bytes <= CAP + 16
+    assert any(n.startswith("peak ") and f"measured {report.budget_measured:,} B" in n
+               for n in report.notes)
+    assert "measured" in report.snapshot().splitlines()[1]
+
+
+def test_a_split_measured_above_the_cap_is_made_again_under_a_lower_cap(monkeypatch):
+    """The first split measures 100,000 B above the cap: the split is made again with the
+    cap lowered by that, the user sees one report (the kept split's) with the user's cap."""
+    reports, calls, partitions, _ = _compiled_step(
+        PeakBudget(CAP), monkeypatch, trial=lambda n: CAP + 100_000 if n == 1 else CAP - 8)
+    assert partitions == [0, 100_000] and len(calls) == 2
+    (report,) = reports
+    assert report.budget_bytes == CAP and report.budget_measured == CAP - 8
+    assert report.budget_peak <= CAP - 100_000
+
+
+def test_a_cap_never_met_measured_raises_with_the_least_measured(monkeypatch):
+    """Every split measured above the cap: BudgetUnreachableError whose proposed budget
+    is the least measured peak, named in its message, after MAX_TRIES splits at most."""
+    peaks = {1: CAP + 300_000, 2: CAP + 200_000, 3: CAP + 250_000, 4: CAP + 260_000,
+             5: CAP + 270_000}
+    with pytest.raises(BudgetUnreachableError) as e:
+        _compiled_step(PeakBudget(CAP), monkeypatch, trial=peaks.__getitem__)
+    err = e.value
+    while not isinstance(err, BudgetUnreachableError):
+        err = err.__cause__
+    assert err.proposed_budget == PeakBudget(CAP + 200_000)
+    assert f"{CAP + 200_000:,} B" in str(err) and "measured" in str(err)
+
+
+def test_no_trial_without_a_peak_budget(monkeypatch):
+    reports, calls, partitions, _ = _compiled_step(2_000_000, monkeypatch,
+                                                   trial=lambda n: 10**12)
+    assert calls == [] and len(partitions) == 1 and reports[0].budget_measured is None
+
+
+def test_the_trial_leaves_inputs_gradients_and_the_random_stream_as_they_were():
+    """A step with dropout and an in-place update of a buffer: after the trial the buffer,
+    the parameter's .grad and the RNG state are unchanged; its peak is the one measured
+    running the same step on the originals."""
+    w = torch.randn(64, 64, requires_grad=True)
+    buf = torch.zeros(64)
+
+    def step(w, x, buf):
+        buf.add_(1)
+        return F.dropout(x @ w, 0.5, training=True).sum()
+
+    x = torch.randn(32, 64)
+    rng = torch.get_rng_state()
+    peak, why = measured_fit.trial_step_peak(step, [w, x, buf])
+    assert why == "" and peak > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert w.grad is None and torch.equal(buf, torch.zeros(64))
+    real = measure_peak(lambda: step(w, x, buf).backward())
+    assert real.bytes == peak
+
+
+def test_no_trial_under_a_running_profiler():
+    w = torch.randn(8, 8, requires_grad=True)
+    with torch.profiler.profile():
+        peak, why = measured_fit.trial_step_peak(lambda w: (w * 2).sum(), [w])
+    assert peak is None and "profiler" in why
