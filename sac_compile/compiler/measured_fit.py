@@ -19,7 +19,10 @@ The trial runs on copies of the graph's tensor inputs (the user's parameters and
 are never written, their ``.grad`` never touched), with the RNG state restored afterwards
 (the user's random stream is unchanged). It is skipped, with a report note saying so,
 where it cannot measure: a profiler already running (CPU), inputs that are tensor
-subclasses, or no output needing a gradient (nothing to budget). Each try is a partition
+subclasses, no output needing a gradient (nothing to budget), or a trial that raised (the
+step itself then raises where the user runs it). On an accelerator the trial resets the
+device's peak statistic (as ``measured_peak`` does) and holds a copy of the graph's inputs,
+parameters included, while it runs. Each try is a partition
 whose report goes to ``on_partition`` only for the split kept, its notes saying what was
 measured.
 Still above the cap after :data:`MAX_TRIES`: :class:`~sac_compile.errors.BudgetUnreachableError`
@@ -160,19 +163,26 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
     args = [_copy(a, copies) for a in example_inputs]
     cuda = [d for d in devices if d.type == "cuda"]
     with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
-        with measured_peak(device) as m:
-            outputs = [o for o in tree_leaves(compiled(*args))
-                       if isinstance(o, torch.Tensor) and o.requires_grad]
-            if not outputs:
-                return None, "no output needs a gradient"
-            # the gradients of a loss that sums them: a one, expanded (not allocated)
-            torch.autograd.backward(outputs, [torch.ones((), dtype=o.dtype, device=o.device)
-                                              .expand(o.shape) for o in outputs])
-            del outputs
+        try:
+            with measured_peak(device) as m:
+                outputs = [o for o in tree_leaves(compiled(*args))
+                           if isinstance(o, torch.Tensor) and o.requires_grad]
+                if not outputs:
+                    return None, "no output needs a gradient"
+                # the gradients of a loss that sums them: a one, expanded (not allocated)
+                torch.autograd.backward(outputs, [
+                    torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape)
+                    for o in outputs])
+                del outputs
+        except Exception as e:  # noqa: BLE001 - the step itself will say it, not the trial
+            return None, f"the trial raised {type(e).__name__}: {str(e)[:200]}"
     return m.peak(), ""
 
 
 def _copy(a: Any, copies: dict[Any, torch.Tensor]) -> Any:
+    if isinstance(a, (torch.SymInt, torch.SymFloat)):  # (dynamic shapes): the size it is
+        from ..torch_internals import symbolic_hint
+        return symbolic_hint(a, fallback=-1)
     if not isinstance(a, torch.Tensor):
         return a
     key = (a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape),
