@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 
 from sac_compile.compiler import inductor_alloc as ia
-from sac_compile.compiler.peak import _Walk, cut_peaks
+from sac_compile.compiler.peak import cut_peaks
+from sac_compile.compiler.storage_walk import Walk as _Walk
 from sac_compile.cut.network import classify
 
 aten, prims = torch.ops.aten, torch.ops.prims

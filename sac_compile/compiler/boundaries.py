@@ -37,7 +37,8 @@ from ..cut import costs
 from ..cut.network import INF, Classification, FlowNetwork
 from .describe import boundary_reason
 from .facts import Floor
-from .peak import cut_peak, storage_base
+from .peak import cut_peak
+from .storage_walk import storage_base
 
 __all__ = ["region_call", "boundary_values", "with_floor", "recomputed_by", "solve_lowering_peak"]
 

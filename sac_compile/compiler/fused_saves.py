@@ -36,7 +36,8 @@ from ..cut import costs
 from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
 from .facts import Unfused
-from .peak import cut_peaks, read_only_by_fusible, storage_base
+from .peak import cut_peaks
+from .storage_walk import read_only_by_fusible, storage_base
 
 __all__ = ["fused_away_saves", "solve_allocating_less"]
 

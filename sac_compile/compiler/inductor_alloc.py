@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
-from .peak import Key, _alias_source, _Walk, read_only_by_fusible, storage_base
+from .storage_walk import Key, Walk, alias_source, read_only_by_fusible, storage_base
 
 __all__ = ["not_allocated", "fused_away", "written_in_place", "folded_into_addmm", "reused"]
 
@@ -71,7 +71,7 @@ def inductor_fusible(fusible: Callable[[fx.Node], bool]) -> tuple[
     return made, read
 
 
-def folded_into_addmm(walk: _Walk, fusible: Callable[[fx.Node], bool]) -> dict[Key, fx.Node]:
+def folded_into_addmm(walk: Walk, fusible: Callable[[fx.Node], bool]) -> dict[Key, fx.Node]:
     """Inductor's ``addmm`` pattern: a matrix product read only by an ``add`` with a tensor
     of its dtype that broadcasts to it is computed by that add (one ``addmm``, where the
     add runs); its storage is never allocated and its inputs live until then. On the
@@ -131,7 +131,7 @@ def _threshold(table: tuple[dict[str, int], int], device: str) -> int:
     return table[0].get(device, table[1])
 
 
-def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
+def fused_away(walk: Walk, fusible: Callable[[fx.Node], bool],
                reads: Callable[[fx.Node], bool] | None = None) -> set[Key]:
     """The storages of ``walk`` computed inside the kernels that read them: neither given
     nor an output, made by a fusible op (not a reduction) whose every reader in the walk
@@ -160,7 +160,7 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
         if n.op != "call_function" or n.name in walk.given_names:
             continue
         keys = [k for k in walk.keys.get(n, ()) if k is not None]
-        if _alias_source(n) is not None:  # a view of an inlined value is inlined too
+        if alias_source(n) is not None:  # a view of an inlined value is inlined too
             if keys and all(walk.maker[k] in inline for k in keys):
                 inline[n] = inline[walk.maker[keys[0]]]
             continue
@@ -176,7 +176,7 @@ def fused_away(walk: _Walk, fusible: Callable[[fx.Node], bool],
                 len(ops) > _threshold(_OPS, device):
             continue
         inline[n] = read, ops
-    out = {k for n in inline if _alias_source(n) is None
+    out = {k for n in inline if alias_source(n) is None
            for k in walk.keys.get(n, ()) if k is not None}
     for n in reversed(walk.nodes):  # readers after makers: a chain extends transitively
         for k in walk.keys.get(n, ()):
@@ -207,7 +207,7 @@ def _layout(node: fx.Node) -> tuple[int, torch.dtype, bool] | None:
     return val.numel(), val.dtype, val.is_contiguous()
 
 
-def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], bool],
+def written_in_place(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool],
                      donated: Callable[[Key], bool]) -> set[Key]:
     """The storages of ``walk`` a kernel writes into one of its inputs' storages (see the
     module docstring) rather than allocating; ``away``: :func:`fused_away`'s storages (the
@@ -245,7 +245,7 @@ def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], b
 
     out: set[Key] = set()
     for pos, n in enumerate(walk.nodes):
-        if n.op != "call_function" or not fusible(n) or _alias_source(n) is not None or \
+        if n.op != "call_function" or not fusible(n) or alias_source(n) is not None or \
                 n.name in walk.given_names:
             continue
         layout = _layout(n)
@@ -272,7 +272,7 @@ def written_in_place(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], b
     return out
 
 
-def reused(walk: _Walk, counted: Callable[[Key], bool], peak: int | None = None) -> set[Key]:
+def reused(walk: Walk, counted: Callable[[Key], bool], peak: int | None = None) -> set[Key]:
     """The storages of ``walk`` Inductor's generated code does not allocate but takes from
     a storage freed earlier (its wrapper's memory planning, ``config.allow_buffer_reuse``):
     a freed storage waits in a pool, by device, dtype and bytes, for the next allocation
@@ -326,7 +326,7 @@ def reused(walk: _Walk, counted: Callable[[Key], bool], peak: int | None = None)
 REORDER = True
 
 
-def not_allocated(fw_walk: _Walk, bw_walk: _Walk, joint_of: Callable[[fx.Node], fx.Node | None],
+def not_allocated(fw_walk: Walk, bw_walk: Walk, joint_of: Callable[[fx.Node], fx.Node | None],
                   fw_counted: Callable[[Key], bool], bw_counted: Callable[[Key], bool]
                   ) -> tuple[set[Key], set[Key]]:
     """The storages of a split's forward and backward walks Inductor does not allocate

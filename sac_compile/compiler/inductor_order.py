@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from .. import graph_meta
-from .peak import Key, _alias_source, _Walk
+from .storage_walk import Key, Walk, alias_source
 
 __all__ = ["inductor_order"]
 
@@ -37,12 +37,12 @@ def _numel(n: fx.Node) -> int | None:
     return val.numel() if hasattr(val, "numel") else None
 
 
-def inductor_order(walk: _Walk, away: set[Key], fusible: Callable[[fx.Node], bool]
+def inductor_order(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool]
                    ) -> list[fx.Node]:
     """``walk``'s nodes in the order Inductor's horizontal fusion runs them (see the
     module docstring); ``away``: the storages computed inside the kernels that read them."""
     nodes = walk.nodes
-    kernels = [n for n in nodes if n.op == "call_function" and _alias_source(n) is None and
+    kernels = [n for n in nodes if n.op == "call_function" and alias_source(n) is None and
                n.target is not operator.getitem and n.name not in walk.given_names and
                any(k is not None and k[0] == n.name and k not in away
                    for k in walk.keys.get(n, ()))]

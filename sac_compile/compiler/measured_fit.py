@@ -54,7 +54,7 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
     if not isinstance(budget, PeakBudget):
         return compile_once()
     measured: list[tuple[int, int]] = []  # (margin, measured peak) per try
-    margin = 0
+    margin = cap = 0  # (cap: the user's, in bytes, from the first split's report)
     emit, partitioner.on_partition = partitioner.on_partition, None  # the kept split's only
     try:
         for _ in range(MAX_TRIES):
