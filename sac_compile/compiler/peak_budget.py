@@ -15,7 +15,7 @@ part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_
 
 1. solves the split without a budget (as without one: the region-boundary floor where it
    lowers the peak); done when its modelled peak fits;
-2. finds the least kept bytes reachable (:func:`~sac_compile.cut.budget.solve_with_budget`'s
+2. finds the least kept bytes reachable (:func:`~sac_compile.budgets.split.solve_with_budget`'s
    error at a 2-byte budget), without the region-boundary floor and with it (below the
    floor's least the floor is refused, the backward recomputes across regions and the
    peak jumps up), and solves at each and at :data:`GRID` kept-byte budgets evenly between
@@ -59,8 +59,9 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..budgets import PeakBudget, proposed_budget
+from ..budgets.result import BudgetResult
+from ..budgets.unreachable import unreachable_error
 from ..errors import BudgetUnreachableError
-from ..cut.budget import BudgetResult
 from ..cut import costs
 from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
@@ -268,18 +269,17 @@ def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
                  base: _Candidate) -> BudgetUnreachableError:
     from ..report import fmt_bytes
     low = min(tried, key=lambda c: (c.peak, c.cost))
-    proposed = PeakBudget(proposed_budget(budget.value, low.peak, base.peak))
     given = (f"{budget.label()} of {fmt_bytes(base.peak)} = {fmt_bytes(cap)}"
              if isinstance(budget.value, float) else f"{budget.label()}")
-    return BudgetUnreachableError(
-        f"sac_compile: {given} cannot be met: the least modelled step peak found for this "
-        f"forward/backward split is {fmt_bytes(low.peak)}, keeping "
-        f"{fmt_bytes(low.kept_bytes)} of activations ({len(tried)} kept-byte budgets tried, "
-        f"down to the least reachable; without a budget the step peaks at "
-        f"{fmt_bytes(base.peak)}). To fix: raise it to at least {fmt_bytes(low.peak)}: "
-        f"memory_budget={proposed!r}, or let more be recomputed "
-        f"(policies.relaxed(policy) relaxes MUST_SAVE to PREFER_SAVE); the step's peak also "
-        f"holds the backward's own working values and the gradients it makes, which no cut "
-        f"removes.",
-        budget=budget, least_bytes=int(low.peak), unconstrained_bytes=int(base.peak),
-        proposed_budget=proposed)
+    return unreachable_error(
+        given,
+        f"the least modelled step peak found for this forward/backward split is "
+        f"{fmt_bytes(low.peak)}, keeping {fmt_bytes(low.kept_bytes)} of activations "
+        f"({len(tried)} kept-byte budgets tried, down to the least reachable; without a "
+        f"budget the step peaks at {fmt_bytes(base.peak)})",
+        ["let more be recomputed (policies.relaxed(policy) relaxes MUST_SAVE to "
+         "PREFER_SAVE)"],
+        budget=budget, least=low.peak, unconstrained=base.peak,
+        proposed=PeakBudget(proposed_budget(budget.value, low.peak, base.peak)),
+        note="the step's peak also holds the backward's own working values and the "
+             "gradients it makes, which no cut removes")
