@@ -24,11 +24,12 @@ shapes, submodules), so how many blocks of each kind the model has:
 
 A block the model calls more than once per step runs its graph that many times: each call
 keeps its share. The graphs' runs are counted per kind and step
-(:mod:`sac_compile.compiler.budget_runs`); when a step made more calls of a kind than it has
-blocks (:meth:`.ModelBudget.count_step`, at the next call of the model), the shares are over the calls:
-that step kept more than the budget (said in a warning), and the kinds are compiled again
-at the next call, as above. A block that a step skips keeps its share reserved: the split
-is over the blocks, never fewer, so a block first run in a later step finds its share.
+(:mod:`sac_compile.compiler.budget_runs`); when a step made more calls of a kind than it
+has blocks (:meth:`.ModelBudget.count_step`, at the next call of the model), the shares are
+over the calls: that step kept more than the budget (said in a warning), and the kinds are
+compiled again at the next call, as above. A block that a step skips keeps its share
+reserved: the split is over the blocks, never fewer, so a block first run in a later step
+finds its share.
 
 The alternative - an eager first step that records every block before compiling - would
 run the first step uncompiled whatever the user asked, and cannot see what only a compiled

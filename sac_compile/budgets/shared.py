@@ -4,10 +4,11 @@ Each region's network is cut at the same Lagrangian weight ``w`` (:mod:`.search`
 bytes of activations as they are, everything else scaled by ``w``). The regions do not
 share values, so the cut of each at one ``w`` is optimal for the sum of their objectives:
 every region gives up bytes where they are cheapest to give up *across the model*, not
-within its own share. ``w`` is found once by bisection (:func:`.search.bisect_price`, as :func:`.split.solve_with_budget`
-does for one network) so that the sum of the regions' kept bytes fits the budget; identical
-regions switch at the same price, so the slack between the last two prices is filled by
-moving regions one at a time to the cut just above it while the total still fits.
+within its own share. ``w`` is found once by :func:`.search.bisect_price` (as
+:func:`.split.solve_with_budget` does for one network) so that the sum of the regions' kept
+bytes fits the budget; identical regions switch at the same price, so the slack between the
+last two prices is filled by moving regions one at a time to the cut just above it while
+the total still fits.
 
 A network may stand for several calls (``counts``: a block that runs twice per step keeps
 its bytes twice): its bytes count that many times, and it moves as a whole, since all its
