@@ -38,7 +38,6 @@ graph holds; recording at the partition sees the very network the split is made 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from ..cut.exact import ExactProblem
 from ..cut.network import FlowNetwork

@@ -37,7 +37,7 @@ from ..cut.network import INF, FlowNetwork
 from ..cut.solvers import source_side
 
 __all__ = ["Cut", "cut_at", "cut_of_side", "is_activation", "activation_bytes",
-           "other_cost", "least_price", "bisect_price", "BISECT_STEPS", "TILT"]
+           "other_cost", "least_price", "bisect", "bisect_price", "BISECT_STEPS", "TILT"]
 
 BISECT_STEPS = 18
 
@@ -110,19 +110,33 @@ def least_price(other: float) -> float:
     return min(0.5 / other, 1e-3) if other > 0 else 1e-3
 
 
-def bisect_price(at: Callable[[float], T], fits: Callable[[T], bool], w_min: float,
-                 low: T, high: T, steps: int = BISECT_STEPS) -> tuple[T, T, float]:
-    """Bisect ``log w`` between ``w_min`` (whose solve ``low`` fits) and 1 (whose solve
-    ``high`` does not): ``at(w)`` solves at ``w``, ``fits`` says whether a solve is within
-    the budget. Returns the solve at the largest price found that fits, the solve at the
-    least price found that does not, and the price of the first."""
+def bisect(lo: Any, hi: Any, at: Callable[[Any], T], fits: Callable[[T], bool], steps: int,
+           *, low: Any = None, high: Any = None,
+           midpoint: Callable[[Any, Any], Any] = lambda lo, hi: (lo + hi) / 2,
+           done: Callable[[Any, Any], bool] = lambda lo, hi: False) -> tuple[Any, Any, Any]:
+    """The one bisection of every budget search: between ``lo`` (whose solve ``low``
+    fits) and ``hi`` (whose solve ``high`` does not), ``steps`` times (fewer once
+    ``done(lo, hi)``), solve ``at(midpoint(lo, hi))`` and move ``lo`` there if ``fits``,
+    else ``hi``. Returns the last solve that fits, the last that does not, and ``lo``."""
     best, over = low, high
-    lo, hi = math.log(w_min), 0.0
     for _ in range(steps):
-        mid = (lo + hi) / 2
-        found = at(math.exp(mid))
+        if done(lo, hi):
+            break
+        mid = midpoint(lo, hi)
+        found = at(mid)
         if fits(found):
             lo, best = mid, found
         else:
             hi, over = mid, found
+    return best, over, lo
+
+
+def bisect_price(at: Callable[[float], T], fits: Callable[[T], bool], w_min: float,
+                 low: T, high: T, steps: int = BISECT_STEPS) -> tuple[T, T, float]:
+    """:func:`bisect` over ``log w`` between ``w_min`` (whose solve ``low`` fits) and 1
+    (whose solve ``high`` does not): ``at(w)`` solves at ``w``, ``fits`` says whether a
+    solve is within the budget. Returns the solve at the largest price found that fits,
+    the solve at the least price found that does not, and the price of the first."""
+    best, over, lo = bisect(math.log(w_min), 0.0, lambda mid: at(math.exp(mid)), fits, steps,
+                            low=low, high=high)
     return best, over, math.exp(lo)

@@ -17,7 +17,7 @@ from ..cut.network import FlowNetwork
 from ..cut.reasons import ReasonKind, kind_of
 from ..errors import BudgetUnreachableError
 from .search import is_activation
-from .values import budget_label, proposed_budget
+from .values import PeakBudget, budget_label, proposed_budget
 
 __all__ = ["unreachable_error", "budget_unreachable"]
 
@@ -28,14 +28,16 @@ _RNG_STATE = "RNG state"
 
 def unreachable_error(given: str, findings: str, fixes: Sequence[str], *,
                       budget: Any, least: float, unconstrained: float,
-                      proposed: Any = None, note: str = "", prefix: str = ""
-                      ) -> BudgetUnreachableError:
+                      note: str = "", prefix: str = "") -> BudgetUnreachableError:
     """``{prefix}sac_compile: {given} cannot be met: {findings}. To fix: raise the budget to
-    at least {least}: memory_budget={proposed}, or {fixes...}; {note}.`` ``proposed``
-    defaults to :func:`~.values.proposed_budget` of ``budget`` (valid and met); the error
-    carries the figures (``least_bytes``, ``unconstrained_bytes``, ``proposed_budget``)."""
+    at least {least}: memory_budget={proposed}, or {fixes...}; {note}.`` The proposed
+    budget is :func:`~.values.proposed_budget`'s (valid, met, of the kind given; a
+    :class:`~.values.PeakBudget` for one); the error carries the figures (``least_bytes``,
+    ``unconstrained_bytes``, ``proposed_budget``)."""
     from ..report import fmt_bytes
-    if proposed is None:
+    if isinstance(budget, PeakBudget):
+        proposed: Any = PeakBudget(proposed_budget(budget.value, least, unconstrained))
+    else:
         proposed = proposed_budget(budget, least, unconstrained)
     meaning = " (keep what the policy keeps)" if proposed == 1.0 else ""
     fix = (f"raise the budget to at least {fmt_bytes(least)}: memory_budget={proposed!r}"

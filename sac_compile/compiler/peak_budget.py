@@ -58,8 +58,9 @@ from typing import Any
 import torch.fx as fx
 
 from .. import graph_meta
-from ..budgets import PeakBudget, proposed_budget
+from ..budgets import PeakBudget
 from ..budgets.result import BudgetResult
+from ..budgets.search import bisect
 from ..budgets.unreachable import unreachable_error
 from ..errors import BudgetUnreachableError
 from ..cut import costs
@@ -175,20 +176,20 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
 def _bisect(candidate: Callable[[int], _Candidate | None], fits: list[_Candidate],
             grid: list[_Candidate], most: int, cap: int) -> list[_Candidate]:
     """More fitting candidates: kept-byte caps bisected between the largest of the grid's
-    that fits and the next one up."""
-    out = []
-    lo = max(c.kept_cap for c in fits)
-    hi = min((c.kept_cap for c in grid if c.kept_cap > lo), default=most)
-    for _ in range(BISECT_STEPS):
-        if hi - lo <= 1:
-            break
-        mid = (lo + hi) // 2
-        c = candidate(mid)
+    that fits and the next one up (by the budget searches' one bisection,
+    :func:`sac_compile.budgets.search.bisect`)."""
+    out: list[_Candidate] = []
+
+    def fits_cap(c: _Candidate | None) -> bool:
         if c is not None and c.peak <= cap:
             out.append(c)
-            lo = mid
-        else:
-            hi = mid
+            return True
+        return False
+
+    lo = max(c.kept_cap for c in fits)
+    hi = min((c.kept_cap for c in grid if c.kept_cap > lo), default=most)
+    bisect(lo, hi, candidate, fits_cap, BISECT_STEPS, midpoint=lambda lo, hi: (lo + hi) // 2,
+           done=lambda lo, hi: hi - lo <= 1)
     return out
 
 
@@ -280,6 +281,5 @@ def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
         ["let more be recomputed (policies.relaxed(policy) relaxes MUST_SAVE to "
          "PREFER_SAVE)"],
         budget=budget, least=low.peak, unconstrained=base.peak,
-        proposed=PeakBudget(proposed_budget(budget.value, low.peak, base.peak)),
         note="the step's peak also holds the backward's own working values and the "
              "gradients it makes, which no cut removes")
