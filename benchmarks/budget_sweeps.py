@@ -12,7 +12,7 @@ Two tables, one run (``python benchmarks/pareto.py --eager`` runs it too):
    per-region budgets keep together, ``T``; then one budget of ``T`` bytes for all regions
    (``memory_budget=T``, one price per byte). Recompute FLOPs side by side: the whole-model
    budget never recomputes more. The same ``T`` with each block compiled on its own
-   (identical blocks: each cut at ``T`` over their number, ``cut/model_price.py``).
+   (identical blocks: each cut at ``T`` over their number, ``budgets/kinds.py``).
 
 Dropout is off (0): on the CPU a recomputed dropout keeps its generator's 5 KiB state,
 which would dominate the test size. A PNG of table 1 (bytes against FLOPs, eager and

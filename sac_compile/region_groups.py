@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from . import graph_meta
-from .budgets import budget_key
 from .policy import RegionFrame
 from .policy_identity import object_serial, policy_identity
 from .torch_internals import dynamo_recompile_limits
@@ -128,7 +127,7 @@ def _identity_text(policy: Any) -> tuple[str, str | None]:
 def _token(identity_text: str, allow: bool, name: str | None, budget: Any = None) -> str:
     text = f"{identity_text}|allow={allow}|name={name!r}"
     if budget is not None:  # two regions with different budgets never share a split
-        text += f"|budget={budget_key(budget)}"
+        text += f"|budget={budget.key}"
     return "sac:" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -254,8 +253,7 @@ def regroup_by_decisions(group: RegionGroup, traced: str,
 def rekey(model: Any) -> None:
     """New tokens for the groups of ``model``'s kinds in ``model.rekey``."""
     with model.lock:
-        kinds, model.rekey = set(model.rekey), set()
-        model.provisional -= kinds
+        kinds = model.take_rekey()
     with _LOCK:
         groups = [g for g in dict.fromkeys(_GROUPS.values())
                   if g.budget is not None and g.budget.model is model
@@ -267,7 +265,7 @@ def rekey(model: Any) -> None:
             group.token = token
             for slot in group.slots:
                 slot.token = token
-        model.recompiles += len(groups)
+        model.recompiled(len(groups))
         _allow_recompiles()
     if groups:
         log.info("sac_compile: whole-model memory budget %r: %d kinds of block compiled "

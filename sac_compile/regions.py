@@ -296,7 +296,7 @@ class BudgetStep:
       (:func:`sac_compile.runtime.model_budget.end_step`).
     * Blocks compiled one by one: their graphs' runs were counted
       (:mod:`sac_compile.compiler.budget_runs`); kinds that ran more calls than the split
-      assumed are compiled again (:func:`sac_compile.cut.model_price.count_step`). Blocks of
+      assumed are compiled again (:meth:`sac_compile.budgets.ModelBudget.count_step`). Blocks of
       several kinds arrive one kind at a time, each first compiled at the even split; once
       every kind was compiled the price is known. Either way the kinds whose split changes
       get new tokens here, at the start of a step - never within one, which would mix two
@@ -319,11 +319,10 @@ class BudgetStep:
     def __call__(self, module: Any, args: Any) -> None:
         if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
             return None
-        from .cut.model_price import count_step
         from .runtime.model_budget import end_step
         budget = self.budget
         end_step(budget)
-        count_step(budget)
+        budget.count_step()
         if budget.rekey:
             rekey(budget)
         return None

@@ -12,7 +12,7 @@ import torch
 from fixtures.models import grads_of, loss_fn, make_model, max_grad_diff, reference_grads
 from sac_compile import CheckpointPolicy as CP
 from sac_compile import policies, sac_region
-from sac_compile.cut import budget as budget_mod
+from sac_compile.budgets import split as budget_mod
 from sac_compile.compiler import choose_cut, make_backend
 from sac_compile.cut.exact import ExactProblem, brute_force, solve_exact
 

@@ -11,8 +11,8 @@ Modules, one concern each:
 * :mod:`.costs` - bytes, FLOPs and memory traffic of one node.
 * :mod:`.network` - the flow network and its objective (the formulation, one screen).
 * :mod:`.solvers` - scipy's and networkx's max-flow, and the minimum cut they give.
-* :mod:`.budget` - what a memory budget is, and the search for the cut that meets it.
-* :mod:`.region_budgets` - torch's per-region budgets, honoured per region.
+* :mod:`sac_compile.budgets` - what a memory budget is, and the search for the cut that
+  meets it (shared with the eager engine); :mod:`.peak_budget` - a cap on the step's peak.
 * :mod:`.exact` - the exact program (scipy's MILP) that makes a budgeted cut optimal.
 * :mod:`.storage`, :mod:`.offload`, :mod:`.save_hooks` - how kept values are stored: on
   the host (torch's offload pass), packed by traced hooks.

@@ -1,14 +1,14 @@
 """How often a whole-model budget's blocks run per step when they are compiled.
 
 A block compiled on its own (``block.compile()``, or a graph break between blocks) is cut at
-its share of the budget per call (:mod:`sac_compile.cut.model_price`). How many calls a step
+its share of the budget per call (:mod:`sac_compile.budgets.kinds`). How many calls a step
 makes of it is not in any graph: a block the model calls twice runs its one compiled graph
 twice. Nothing Python sees inside a compiled graph can count it without a graph break (a
 ``fullgraph=True`` compile forbids one, and Dynamo would guard a counter's value), so the
 callable the backend returns is wrapped: each run of a graph counts, per kind of block, the
 region calls it holds (:attr:`ModelBudget.graph_runs`). The model's step hook
 (:class:`sac_compile.regions.BudgetStep`) reads the count when the step ends
-(:func:`sac_compile.cut.model_price.count_step`).
+(:meth:`sac_compile.budgets.ModelBudget.count_step`).
 """
 from __future__ import annotations
 
@@ -54,7 +54,6 @@ def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
         for model, kind, n in calls:
-            with model.lock:
-                model.graph_runs[kind] += n
+            model.count_runs(kind, n)
         return compiled(*args, **kwargs)
     return run

@@ -18,10 +18,11 @@ import torch.fx as fx
 
 from .. import graph_meta
 from ..budgets import PeakBudget
-from ..cut.budget import BudgetResult, solve_with_budget
+from ..budgets.groups import (RegionBudgetFacts, region_budget_annotations,
+                              solve_with_region_budgets, torch_global_budget)
+from ..budgets.result import BudgetResult
+from ..budgets.split import solve_with_budget
 from ..cut.network import CostModel, FlowNetwork, build_flow_network, classify
-from ..cut.region_budgets import (RegionBudgetFacts, region_budget_annotations,
-                                  solve_with_region_budgets, torch_global_budget)
 from ..cut.solvers import solve
 from ..cut.stand_ins import keep_stand_ins_off_device
 from .boundaries import solve_lowering_peak

@@ -28,8 +28,8 @@ from .facts import Floor, HostWhy, PeakFit, Storage, Unfused
 from .peak import estimate_peak
 
 if TYPE_CHECKING:
-    from ..cut.budget import BudgetResult
-    from ..cut.region_budgets import RegionBudgetFacts
+    from ..budgets.result import BudgetResult
+    from ..budgets.groups import RegionBudgetFacts
     from .choose_cut import Cut
     from .extract import Split
     from .storage import StoragePlan, StoredValue

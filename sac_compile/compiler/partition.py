@@ -47,13 +47,14 @@ from .who_splits import register_partitioner
 __all__ = ["SACPartitioner"]
 
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
-# Every module of the compiler and cut packages (the flow network, its costs, the budget
-# search: a change there changes the split), and the core modules it decides with.
+# Every module of the compiler, cut and budgets packages (the flow network, its costs, the
+# budget search, what a budget value means: a change there changes the split), and the core
+# modules it decides with.
 # (policies: a policy that reads our presets' data, MATMUL_OPS say, is keyed by the module's
-# name; effects: the ops the cut never recomputes; budgets: what a budget value means;
+# name; effects: the ops the cut never recomputes;
 # tensor_memory: which ops are views, which the cut never saves on their own.)
 _HASHED_CORE = ("policy", "policies", "op_names", "markers", "op_costs", "effects", "errors",
-                "budgets", "graph_meta", "torch_internals", "tensor_memory")
+                "graph_meta", "torch_internals", "tensor_memory")
 
 
 def _code_hash() -> str:
@@ -63,7 +64,8 @@ def _code_hash() -> str:
     from ..torch_internals import get_hash_for_files
 
     here = Path(__file__).parent
-    files = sorted(str(p) for d in (here, here.parent / "cut") for p in d.glob("*.py"))
+    files = sorted(str(p) for d in (here, here.parent / "cut", here.parent / "budgets")
+                   for p in d.glob("*.py"))
     files += [inspect.getfile(importlib.import_module(f"sac_compile.{name}"))
               for name in _HASHED_CORE]
     return get_hash_for_files(tuple(files)).hex()

@@ -15,7 +15,7 @@ part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_
 
 1. solves the split without a budget (as without one: the region-boundary floor where it
    lowers the peak); done when its modelled peak fits;
-2. finds the least kept bytes reachable (:func:`~sac_compile.cut.budget.solve_with_budget`'s
+2. finds the least kept bytes reachable (:func:`~sac_compile.budgets.split.solve_with_budget`'s
    error at a 2-byte budget), without the region-boundary floor and with it (below the
    floor's least the floor is refused, the backward recomputes across regions and the
    peak jumps up), and solves at each and at :data:`GRID` kept-byte budgets evenly between
@@ -58,9 +58,11 @@ from typing import Any
 import torch.fx as fx
 
 from .. import graph_meta
-from ..budgets import PeakBudget, proposed_budget
+from ..budgets import PeakBudget
+from ..budgets.result import BudgetResult
+from ..budgets.search import bisect
+from ..budgets.unreachable import unreachable_error
 from ..errors import BudgetUnreachableError
-from ..cut.budget import BudgetResult
 from ..cut import costs
 from ..cut.network import INF, FlowNetwork
 from ..policy import CheckpointError
@@ -175,20 +177,20 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
 def _bisect(candidate: Callable[[int], _Candidate | None], fits: list[_Candidate],
             grid: list[_Candidate], most: int, cap: int) -> list[_Candidate]:
     """More fitting candidates: kept-byte caps bisected between the largest of the grid's
-    that fits and the next one up."""
-    out = []
-    lo = max(c.kept_cap for c in fits)
-    hi = min((c.kept_cap for c in grid if c.kept_cap > lo), default=most)
-    for _ in range(BISECT_STEPS):
-        if hi - lo <= 1:
-            break
-        mid = (lo + hi) // 2
-        c = candidate(mid)
+    that fits and the next one up (by the budget searches' one bisection,
+    :func:`sac_compile.budgets.search.bisect`)."""
+    out: list[_Candidate] = []
+
+    def fits_cap(c: _Candidate | None) -> bool:
         if c is not None and c.peak <= cap:
             out.append(c)
-            lo = mid
-        else:
-            hi = mid
+            return True
+        return False
+
+    lo = max(c.kept_cap for c in fits)
+    hi = min((c.kept_cap for c in grid if c.kept_cap > lo), default=most)
+    bisect(lo, hi, candidate, fits_cap, BISECT_STEPS, midpoint=lambda lo, hi: (lo + hi) // 2,
+           done=lambda lo, hi: hi - lo <= 1)
     return out
 
 
@@ -269,18 +271,16 @@ def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
                  base: _Candidate) -> BudgetUnreachableError:
     from ..report import fmt_bytes
     low = min(tried, key=lambda c: (c.peak, c.cost))
-    proposed = PeakBudget(proposed_budget(budget.value, low.peak, base.peak))
     given = (f"{budget.label()} of {fmt_bytes(base.peak)} = {fmt_bytes(cap)}"
              if isinstance(budget.value, float) else f"{budget.label()}")
-    return BudgetUnreachableError(
-        f"sac_compile: {given} cannot be met: the least modelled step peak found for this "
-        f"forward/backward split is {fmt_bytes(low.peak)}, keeping "
-        f"{fmt_bytes(low.kept_bytes)} of activations ({len(tried)} kept-byte budgets tried, "
-        f"down to the least reachable; without a budget the step peaks at "
-        f"{fmt_bytes(base.peak)}). To fix: raise it to at least {fmt_bytes(low.peak)}: "
-        f"memory_budget={proposed!r}, or let more be recomputed "
-        f"(policies.relaxed(policy) relaxes MUST_SAVE to PREFER_SAVE); the step's peak also "
-        f"holds the backward's own working values and the gradients it makes, which no cut "
-        f"removes.",
-        budget=budget, least_bytes=int(low.peak), unconstrained_bytes=int(base.peak),
-        proposed_budget=proposed)
+    return unreachable_error(
+        given,
+        f"the least modelled step peak found for this forward/backward split is "
+        f"{fmt_bytes(low.peak)}, keeping {fmt_bytes(low.kept_bytes)} of activations "
+        f"({len(tried)} kept-byte budgets tried, down to the least reachable; without a "
+        f"budget the step peaks at {fmt_bytes(base.peak)})",
+        ["let more be recomputed (policies.relaxed(policy) relaxes MUST_SAVE to "
+         "PREFER_SAVE)"],
+        budget=budget, least=low.peak, unconstrained=base.peak,
+        note="the step's peak also holds the backward's own working values and the "
+             "gradients it makes, which no cut removes")

@@ -190,7 +190,7 @@ class SACTaggingMode(TorchDispatchMode):
             graph_meta.set_call(node, call)
             graph_meta.set_op(node, func)  # the op the policies were asked about
             graph_meta.set_region_ids(node, self.region_id, stack[0].region_id)
-            if budgets:  # memory budgets of the active regions (cut/region_budgets.py)
+            if budgets:  # memory budgets of the active regions (budgets/groups.py)
                 graph_meta.set_region_budgets(node, budgets)
             graph_meta.set_ac_graph_id(node, self.ac_graph_id if self.ac_graph_id is not None
                                        else self.region_id)

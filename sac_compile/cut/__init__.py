@@ -1,5 +1,5 @@
 """The cut: which values a region keeps and which it recomputes, as a minimum cut of a flow
-network, with memory budgets. Shared by both engines: the compiler builds the network from
+network. Shared by both engines: the compiler builds the network from
 the joint graph AOTAutograd traces, the eager runtime from the ops a region recorded, and
 both solve it with this code (the same decisions, the same errors).
 
@@ -9,10 +9,8 @@ both solve it with this code (the same decisions, the same errors).
 * :mod:`.network` - the flow network and its objective (the formulation, one screen).
 * :mod:`.stand_ins` - values kept in place of others (views, stand-ins off the device).
 * :mod:`.solvers` - scipy's and networkx's max-flow, and the minimum cut they give.
-* :mod:`.budget` - the search for the cut that meets a memory budget.
-* :mod:`.region_budgets` - torch's per-region budgets, honoured per region.
-* :mod:`.shared_budget` - one price per byte over several regions (a whole-model budget).
-* :mod:`.model_price` - a whole-model budget over graphs that each hold some of its blocks
-  (blocks compiled one by one): the blocks' kinds, the even split, the price over kinds.
 * :mod:`.exact` - the exact program (scipy's MILP) that makes a budgeted cut optimal.
+
+Memory budgets - the price search over this cut, per-region caps, whole-model prices - are
+:mod:`sac_compile.budgets`, one layer up.
 """

@@ -15,7 +15,7 @@ same network (:mod:`.network`) is solved exactly with scipy's ``milp`` (HiGHS):
 * minimise ``K`` = recompute + offload + kept input bytes (the rest of the objective), plus
   a tie-break of ``1e-9`` per device byte kept; the device bytes of the ``priced`` nodes
   (and the RNG states their recomputes keep) count in full instead: values under no cap
-  (per-region budgets, :mod:`.region_budgets`) are kept as the cut without a budget would.
+  (per-region budgets, :mod:`sac_compile.budgets.groups`) are kept as the cut without a budget would.
 
 The arrays come from :meth:`ExactProblem.from_network`; :func:`brute_force` enumerates every
 cut of a tiny problem, the test oracle for the formulation.

@@ -1,6 +1,6 @@
 """A recorded region as the compiler's flow network, so that an eager memory budget is
 solved by the same code as a compiled one (:mod:`sac_compile.cut.network`,
-:mod:`sac_compile.cut.budget`).
+:mod:`sac_compile.budgets.split`).
 
 The region's recorded ops (:class:`~.graph.OpNode`) become an FX graph: a placeholder per
 tensor from outside the region (parameters are static inputs: they cost nothing to keep),

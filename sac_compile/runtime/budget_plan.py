@@ -1,5 +1,5 @@
 """Solve one recorded region call under its memory budget: the same network and the same
-search as a compiled split (:func:`sac_compile.cut.budget.solve_with_budget`), or, for
+search as a compiled split (:func:`sac_compile.budgets.split.solve_with_budget`), or, for
 a whole-model budget, the cut at the model's price per byte (:mod:`.model_budget`)."""
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _solve(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     if run.budget.model is not None:
         from .model_budget import plan_in_model
         return plan_in_model(run, rg, signature)
-    from ..cut.budget import budget_label, solve_with_budget
+    from ..budgets import budget_label
+    from ..budgets.split import solve_with_budget
     try:
         res = solve_with_budget(rg.net, run.budget.value)
     except BudgetUnreachableError as e:
@@ -83,7 +84,7 @@ def evicted_values(rg: RegionGraph, evicted: list[fx.Node], budget: Any
     """``(op number, output, bytes, why)`` of each value the cut without a budget keeps and
     the budget's cut does not."""
     from ..cut import costs
-    from ..cut.budget import budget_label
+    from ..budgets import budget_label
     out = []
     for v in evicted:
         if v not in rg.where:

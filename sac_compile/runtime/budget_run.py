@@ -9,7 +9,7 @@ applied: the values it keeps are saved (on the host where it offloads them), the
 recomputed in backward from what is kept - also the policy's PREFER_SAVEs the budget evicts.
 
 A plan (:class:`Plan`) is the cut of the region's flow network (:mod:`.budget_graph`)
-under the budget, found by :func:`sac_compile.cut.budget.solve_with_budget`: MUST
+under the budget, found by :func:`sac_compile.budgets.split.solve_with_budget`: MUST
 decisions stay hard, a recomputed random op keeps its RNG state, and a budget out of reach
 is the compiler's ``CheckpointError``. It is keyed by the recorded ops, their output shapes
 and dtypes and the policy's decisions: a different shape (or op sequence) plans again.
@@ -144,7 +144,7 @@ class BudgetRun:
         return records
 
     def _why(self, plan: Plan, kept: bool) -> str:
-        from ..cut.budget import budget_label
+        from ..budgets import budget_label
         what = "kept by" if kept else "recomputed in backward under"
         return (f"{what} the memory budget {budget_label(self.budget.value)} of region "
                 f"{self.region!r} (the cut of the region's flow network; "

@@ -10,7 +10,7 @@ in it (one part more when a region runs again: its later calls and the regions s
 come share what is left). So step 1 keeps at most the budget as well, unless a call cannot
 keep as little as its part (said in its note). When the step ends, one price per byte is
 found over the step's calls together, each network counted as often as it ran
-(:func:`sac_compile.cut.shared_budget.solve_shared_price`); each region's plan for that
+(:func:`sac_compile.budgets.shared.solve_shared_price`); each region's plan for that
 shape is its cut at the price. From then on calls apply their plans: no solve per step.
 
 A *price* is found for the calls of one step (its pattern: how often each region ran at
@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from ..budgets import ModelBudget, RegionBudget, proposed_budget
-from ..errors import BudgetUnreachableError
+from ..budgets import ModelBudget, RegionBudget, budget_label
 from .budget_graph import Plan, RegionGraph, plan_of_cut
 
 if TYPE_CHECKING:  # annotations only: budget_run calls this module
@@ -77,9 +76,7 @@ class _Steps:
 
 
 def _steps(model: ModelBudget) -> _Steps:
-    if model.eager is None:
-        model.eager = _Steps()
-    return model.eager
+    return model.eager_state(_Steps)
 
 
 def end_step(model: ModelBudget, *, hooked: bool = True) -> None:
@@ -128,9 +125,8 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
     has left, less what the price's calls still to come in it keep (or, with no price in
     the step yet, split evenly over the regions still to run), recorded for the price
     found when the step ends."""
+    from ..budgets.shared import solve_shared_price
     from ..cut import costs
-    from ..cut.budget import budget_label
-    from ..cut.shared_budget import solve_shared_price
     model = run.budget.model
     key = (run.region, signature)
     with model.lock:
@@ -152,7 +148,7 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
                 " and this one again" if again else "")
             part = (f"its part of what the step has left ({int(cap):,} B: "
                     f"{max(int(left), 0):,} B over {over})")
-        price = solve_shared_price([rg.net], cap, or_least=True)
+        price = solve_shared_price([rg.net], cap)
         cut, free = price.cuts[0], price.unconstrained[0]
         labels = {v: f"{costs.op_label(v)}, {costs.nbytes(v):,} B" for v in rg.where}
         steps.nets[key] = _Recorded(run.region, run.budget, signature, rg.net,
@@ -207,34 +203,29 @@ def _dropped(net: Any, kept: list[fx.Node], where: dict[fx.Node, tuple[int, int]
 def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
     """The price over a step's calls, each network counted as often as it ran; each
     region's plan for each of its shapes is its cut at that price."""
-    from ..cut.budget import budget_label
-    from ..cut.shared_budget import solve_shared_price
+    from ..budgets.shared import solve_shared_price
+    from ..budgets.unreachable import unreachable_error
     keys = list(calls)
     recs = [steps.nets[k] for k in keys]
     counts = [calls[k] for k in keys]
-    try:
-        price = solve_shared_price([r.net for r in recs], float(model.nbytes), counts=counts)
-    except ValueError as e:
+    price = solve_shared_price([r.net for r in recs], float(model.nbytes), counts=counts)
+    if price.total > model.nbytes:
         regions = ", ".join(dict.fromkeys(r.region for r in recs))
-        least = int(e.least_bytes)  # type: ignore[attr-defined]
-        proposed = proposed_budget(model.nbytes, least, least)
-        raise BudgetUnreachableError(
-            f"whole-model memory budget {budget_label(model.nbytes)} of apply_regions cannot "
-            f"be met: {e}, with everything recomputed or offloaded that may be (regions "
-            f"{regions}, each call counted). To fix: raise the budget to at least that "
-            f"(memory_budget={proposed!r}), or relax the policy's MUST_SAVE decisions to "
-            f"PREFER_SAVE (policies.relaxed(policy); policies.relaxed(policy, hooks=True) "
-            f"also relaxes SaveWithHooks) so the budget may evict them",
-            budget=model.nbytes, least_bytes=least,
-            unconstrained_bytes=int(e.unconstrained_bytes),  # type: ignore[attr-defined]
-            proposed_budget=proposed) from None
+        raise unreachable_error(
+            f"whole-model memory budget {budget_label(model.nbytes)} of apply_regions",
+            f"the least the regions can keep together is {price.total:,} B, with everything "
+            f"recomputed or offloaded that may be (regions {regions}, each call counted)",
+            ["relax the policy's MUST_SAVE decisions to PREFER_SAVE (policies.relaxed("
+             "policy); policies.relaxed(policy, hooks=True) also relaxes SaveWithHooks) so "
+             "the budget may evict them"],
+            budget=model.nbytes, least=price.total,
+            unconstrained=sum(n * free for n, free in zip(counts, price.unconstrained)))
     gen, steps.next_gen = steps.next_gen, steps.next_gen + 1
     shares: dict[str, int] = {}
     unconstrained: dict[str, int] = {}
     for rec, n, cut, free in zip(recs, counts, price.cuts, price.unconstrained):
         shares[rec.region] = shares.get(rec.region, 0) + n * cut.nbytes
         unconstrained[rec.region] = unconstrained.get(rec.region, 0) + n * free
-    model.weight, model.shares, model.unconstrained = price.weight, shares, unconstrained
     total = sum(n * free for n, free in zip(counts, price.unconstrained))
     n_calls = sum(counts)
     head = (f"whole-model memory budget {budget_label(model.nbytes)}: {price.total:,} B kept "
@@ -257,11 +248,11 @@ def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
         del steps.prices[old]
     live = {k for calls_of in steps.prices.values() for k in calls_of}
     steps.nets = {k: r for k, r in steps.nets.items() if k in live}
-    model.notes.append(head)
+    model.priced(price.weight, shares, unconstrained, head)
 
 
 def _kept_unconstrained(net: Any) -> list[fx.Node]:
-    from ..cut.budget import _is_activation
+    from ..budgets.search import is_activation
     from ..cut.solvers import solve
     saved, _ = solve(net)
-    return [v for v in saved if _is_activation(net, net.cls.index[v])]
+    return [v for v in saved if is_activation(net, net.cls.index[v])]

@@ -12,7 +12,7 @@ gives each call a cap of the same fraction), or, outside regions, a run of conse
 annotated values. torch's graph-wide budget is one more cap, over every value no region
 budget covers (torch: a region's annotation overrides the global budget). Values under no
 cap are kept as the cut without any budget keeps them (their bytes stay in the objective).
-The caps (and our own ``memory_budget``, if any) are rows of :mod:`.exact`'s program.
+The caps (and our own ``memory_budget``, if any) are rows of :mod:`sac_compile.cut.exact`'s program.
 """
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ from typing import Any
 import torch.fx as fx
 
 from .. import graph_meta
+from ..cut.exact import ExactProblem, solve_exact
+from ..cut.network import FlowNetwork
 from ..errors import CompiledCheckpointError
 from ..torch_internals import TorchAPIMissing
-from .budget import TILT, EXACT_TIME_LIMIT, BudgetResult, Cut, _cut, _is_activation
-from .network import FlowNetwork
-from .solvers import source_side
+from .region import RegionBudget
+from .result import BudgetResult
+from .search import TILT, Cut, cut_at, is_activation
+from .split import EXACT_TIME_LIMIT
+from .unreachable import budget_unreachable
+from .values import budget_label
 
 __all__ = ["BudgetGroup", "region_budget_annotations", "torch_global_budget",
            "solve_with_region_budgets", "GroupFigures", "GroupShares", "RegionBudgetFacts"]
@@ -44,8 +49,8 @@ class BudgetGroup:
     fraction: float          # torch's b in [0, 1]; ours: the budget as given
     nodes: list[fx.Node]
     torch_meaning: bool = True
-    model: Any = None        # a whole-model budget (sac_compile.budgets.ModelBudget)
-    partial: bool = False    # the graph holds some of the model's blocks (.model_price)
+    model: Any = None        # a whole-model budget (.model.ModelBudget)
+    partial: bool = False    # the graph holds some of the model's blocks (.kinds)
     graph_cap: Any = None    # then its cap, found once per graph: (bytes, even split, line)
 
     def cap(self, least: float, most: float) -> float:
@@ -81,7 +86,7 @@ class RegionBudgetFacts:
     groups: list[GroupFigures]   # groups with something to keep, in order
     shares: list[GroupShares]
     # a whole-model budget's blocks compiled one by one: how this graph's cap was found
-    # (worded by cut/model_price.py, which prices across graphs)
+    # (worded by cut/kinds.py, which prices across graphs)
     price_notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -139,8 +144,6 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
     tagging mode writes ``meta["sac_region_budgets"]``); a whole-model budget
     (``apply_regions(..., memory_budget=bytes)``) is one group over all its regions in this
     graph (``partial`` when the graph holds only some of them)."""
-    from ..budgets import RegionBudget
-    from .budget import budget_label
     groups: dict[object, BudgetGroup] = {}
     names: dict[object, set[str]] = {}
     for v in nodes:
@@ -160,7 +163,7 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
     _adopt_values_computed_from(groups, nodes)
     for key, group in groups.items():
         # Some of a whole-model budget's blocks (per-block compiles): the graph's cap comes
-        # from the blocks' kinds and the price over them (model_price.py).
+        # from the blocks' kinds and the price over them (kinds.py).
         group.partial = group.model is not None and bool(set(group.model.members) -
                                                          names[key])
     return list(groups.values())
@@ -192,12 +195,11 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
     Solved by the exact program (any size, within its time limit). Returns the result and
     each group's figures, for the report."""
     from ..report import fmt_bytes
-    from .exact import ExactProblem, objective, solve_exact
 
     t0 = time.perf_counter()
     problem = ExactProblem.from_network(net)
     idx = net.cls.index
-    base = _cut(net, problem, objective, source_side(net, solver), 1.0)
+    base = cut_at(net, problem, 1.0, solver)
     cap_all = None
     if budget is not None:
         cap_all = budget * base.nbytes if isinstance(budget, float) else float(budget)
@@ -211,17 +213,17 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
                            if i in members)
 
     group_caps, figures, capped = [], [], set()
-    extra: list[str] = []  # a whole-model budget's blocks in this graph (model_price.py)
+    extra: list[str] = []  # a whole-model budget's blocks in this graph (kinds.py)
     fits = cap_all is None or base.nbytes <= cap_all
     w_min = 1e-9
     for group in groups:
-        members = {idx[v] for v in group.nodes if v in idx and _is_activation(net, idx[v])}
+        members = {idx[v] for v in group.nodes if v in idx and is_activation(net, idx[v])}
         if not members:
             continue
         most = group_bytes(base.kept, base.w, base.recomputed, members)
         even = False
         if group.partial:
-            from .model_price import graph_cap
+            from .kinds import graph_cap
             if group.graph_cap is None:  # (not again for the peak floor's second solve)
                 group.graph_cap = graph_cap(net, group.model,
                                             _by_region(group, idx, members), solver)
@@ -232,10 +234,10 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         for u, v, c in net.capacities(w_min, TILT):
             i = u // 2
             if v == u + 1 and u % 2 == 0 and u < net.source and i not in members \
-                    and _is_activation(net, i):
+                    and is_activation(net, i):
                 c = c * w_min
             edges.append((u, v, c))
-        low = _cut(net, problem, objective, source_side(net, solver, edges=edges), w_min)
+        low = cut_at(net, problem, w_min, solver, edges)
         least = group_bytes(low.kept, low.w, low.recomputed, members)
         cap = group.cap(least, most)
         if even and least > cap:  # the even split before the price: what it can
@@ -260,7 +262,7 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         return res, _facts(figures, groups, idx, kept_of, extra)
     # Without our graph-wide cap, values under no cap keep their price (a byte each).
     priced = [] if cap_all is not None else [
-        i for i in range(len(net.cls.nodes)) if i not in capped and _is_activation(net, i)]
+        i for i in range(len(net.cls.nodes)) if i not in capped and is_activation(net, i)]
     sol = solve_exact(problem, cap_all, time_limit=EXACT_TIME_LIMIT, group_caps=group_caps,
                       priced=priced)
     if sol is None:
@@ -277,7 +279,7 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
     nodes = net.cls.nodes
     kept = [nodes[i] for i in sol.kept]
     have = set(kept)
-    evicted = [v for v in base.kept if v not in have and _is_activation(net, idx[v])]
+    evicted = [v for v in base.kept if v not in have and is_activation(net, idx[v])]
     lifted = [nodes[i] for i in sol.recomputed if i in net.lifted_under_budget]
     on_host = set(sol.on_host)
     recomputed = set(sol.recomputed)
@@ -320,12 +322,8 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
             continue
         by_region = _by_region(group, idx)
         shares = {name: int(kept_of(members)) for name, members in by_region.items()}
-        model = group.model
-        model.shares.update(shares)
-        if group.partial:  # a kind's graph serves every block of its kind
-            model.shares.update({m: shares[name] for name in shares for m, k in
-                                 zip(model.members, model.kinds)
-                                 if k == model.kind_of(name) and m not in by_region})
+        # (partial: a kind's graph serves every block of its kind)
+        group.model.record_shares(shares, whole_kind=group.partial)
         out.append(GroupShares(group.label, shares))
     return out
 
@@ -333,8 +331,7 @@ def _shares(groups: list[BudgetGroup], idx: dict[fx.Node, int],
 def _unreachable(net: FlowNetwork, group: BudgetGroup, low: Cut, members: set[int],
                  cap: float, least: float, most: float) -> None:
     """Our budget on a region (or the whole model) below what it can keep: the error
-    :mod:`.budget` gives for a graph-wide one, naming the group."""
-    from .budget import budget_unreachable
+    :mod:`.unreachable` gives for a graph-wide one, naming the group."""
     idx = net.cls.index
     kept = [v for v in low.kept if idx[v] in members]
     rng = sum(net.recompute_bytes.get(i, 0.0) for i in low.recomputed if i in members)

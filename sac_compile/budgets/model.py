@@ -1,0 +1,181 @@
+"""A whole-model byte budget (``apply_regions(..., memory_budget="2GiB")``): one budget
+shared by the regions ``apply_regions`` made, and what both engines learn of it.
+
+:class:`ModelBudget` owns its state: the engines read its fields, and change them only
+through its methods (each under its lock), so that what a step learns is written in one
+place:
+
+* the compiled engine, blocks compiled one by one (:mod:`.kinds`): :meth:`record_kinds`
+  (a kind's network, and the price over the kinds once every kind was recorded),
+  :meth:`count_runs` (a compiled graph's region calls, :mod:`sac_compile.compiler.
+  budget_runs`), :meth:`count_step` (at the next call of the model: kinds that ran more
+  calls than the split assumed), :meth:`take_rekey` and :meth:`recompiled`
+  (:func:`sac_compile.region_groups.rekey`), :meth:`record_shares` (each region's share
+  of a split, :mod:`.groups`);
+* the eager engine (:mod:`sac_compile.runtime.model_budget`): :meth:`eager_state` (its
+  bookkeeping of steps and prices) and :meth:`priced` (the price found over a step).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .values import budget_label
+
+__all__ = ["ModelBudget"]
+
+
+class ModelBudget:
+    """One byte budget shared by the regions ``apply_regions`` made: the price per byte
+    (the Lagrange multiplier of :mod:`.search`) found once over all of them, and each
+    region's share. ``members``: the regions' names; ``kinds``: each member's
+    :func:`~.region.module_kind` (blocks of one kind share a compiled graph; under
+    per-block compiles the price is found over the kinds, :mod:`.kinds`)."""
+
+    def __init__(self, nbytes: int, members: tuple[str, ...] = (),
+                 kinds: tuple[str, ...] | None = None) -> None:
+        self.nbytes = nbytes
+        self.members = members
+        self.kinds = kinds if kinds is not None else ("",) * len(members)
+        self.lock = threading.RLock()
+        # Compiled graphs holding some of the members (.kinds): a kind's recorded network,
+        # the per-member shares at the price (None: not found yet), the kinds compiled at
+        # the even split before the price was known, and those to be compiled again at the
+        # next call of the model (regions.BudgetStep).
+        self.kind_nets: dict[str, Any] = {}
+        self.kind_share: dict[str, float] | None = None
+        self.provisional: set[str] = set()
+        self.rekey: set[str] = set()
+        self.recompiles = 0
+        # Compiled blocks' region calls counted in this step (compiler/budget_runs.py), and
+        # the most a step made of each kind once more than its blocks (a block run twice).
+        self.graph_runs: collections.Counter = collections.Counter()
+        self.calls: dict[str, int] = {}
+        self.weight: float | None = None          # the price found (None: not yet)
+        self.shares: dict[str, int] = {}          # region name -> bytes it keeps
+        self.unconstrained: dict[str, int] = {}   # region name -> bytes without a budget
+        self.eager: Any = None                    # eager steps and prices (runtime/model_budget.py)
+        self.notes: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"ModelBudget({budget_label(self.nbytes)} for {len(self.members)} regions)"
+
+    def __reduce__(self) -> Any:  # what it learnt is found again after loading
+        return (ModelBudget, (self.nbytes, self.members, self.kinds))
+
+    # -- reading -------------------------------------------------------------------------
+
+    def count(self, kind: str) -> int:
+        """How many members are of ``kind``."""
+        return sum(1 for k in self.kinds if k == kind)
+
+    def calls_of(self, kind: str) -> int:
+        """How many calls of ``kind`` a step makes, as far as known: its blocks, or more
+        once a step ran more (compiled blocks; :mod:`.kinds`)."""
+        return max(self.count(kind), self.calls.get(kind, 0))
+
+    def step_calls(self) -> int:
+        """All the calls a step makes of the members, as far as known."""
+        return sum(self.calls_of(k) for k in set(self.kinds))
+
+    def kind_of(self, name: str) -> str:
+        return self.kinds[self.members.index(name)] if name in self.members else ""
+
+    # -- blocks compiled one by one (.kinds) ----------------------------------------------
+
+    def record_kinds(self, nets: dict[str, Any], price: Callable[[dict[str, Any]],
+                                                                 dict[str, float]],
+                     even: float) -> None:
+        """A graph of some kinds was cut at the even split ``even`` before the price was
+        known: record each kind's network (``nets``; the first one of a kind stays), and
+        once every kind was recorded find the price over them (``price`` of the recorded
+        networks: each kind's share per block); the kinds whose share is not the even
+        split are compiled again at the next call of the model."""
+        with self.lock:
+            for kind, net in nets.items():
+                self.kind_nets.setdefault(kind, net)
+            self.provisional |= set(nets)
+            if set(self.kind_nets) >= set(self.kinds):
+                found = price(dict(self.kind_nets))
+                self.kind_share = found
+                self.kind_nets = {}  # (the networks hold their graphs)
+                self.rekey |= {k for k in self.provisional if abs(found[k] - even) >= 1}
+
+    def count_runs(self, kind: str, calls: int) -> None:
+        """A compiled graph ran, holding ``calls`` region calls of ``kind``."""
+        with self.lock:
+            self.graph_runs[kind] += calls
+
+    def count_step(self) -> set[str]:
+        """A step is over (the model is called again): the kinds whose compiled graphs made
+        more region calls in it than the split assumed. Their calls are learnt, a warning
+        says the step kept more than the budget, and the kinds to compile again are
+        returned (all of them when several kinds were priced: the price is found again over
+        the new counts)."""
+        with self.lock:
+            runs, self.graph_runs = dict(self.graph_runs), type(self.graph_runs)()
+            more = {k: n for k, n in runs.items() if n > self.calls_of(k)}
+            if not more:
+                return set()
+            before = self.step_calls()
+            self.calls.update(more)
+            kinds = {k for k in set(self.kinds) if self.count(k)}
+            if len(kinds) > 1:  # the price over the kinds is stale: the even split, then again
+                self.kind_share, self.kind_nets, self.provisional = None, {}, set()
+                again = kinds
+            else:
+                again = set(more)
+            self.rekey |= again
+            after = self.step_calls()
+        logging.getLogger("sac_compile").warning(
+            "sac_compile: whole-model memory budget %s: the step that ended made %s - more "
+            "calls than the %d its compiled blocks' split assumed, each keeping a block's "
+            "share: that step kept more than the budget (above the budget by up to the extra "
+            "calls' shares). The blocks are compiled once more at the next call of the model, "
+            "for %d calls per step", budget_label(self.nbytes),
+            ", ".join(f"{n} calls of {self.count(k)} block{'s' if self.count(k) > 1 else ''} "
+                      f"of one kind" for k, n in more.items()), before, after)
+        return again
+
+    def take_rekey(self) -> set[str]:
+        """The kinds to compile again, now being given new tokens: no longer pending, nor
+        at the even split."""
+        with self.lock:
+            kinds, self.rekey = set(self.rekey), set()
+            self.provisional -= kinds
+        return kinds
+
+    def recompiled(self, groups: int) -> None:
+        """``groups`` groups of regions got new tokens: Dynamo compiles each once more."""
+        with self.lock:
+            self.recompiles += groups
+
+    def record_shares(self, shares: dict[str, int], *, whole_kind: bool = False) -> None:
+        """Each region's bytes kept under a split's cut; ``whole_kind``: the graph serves
+        every block of its regions' kinds, which keep as much."""
+        with self.lock:
+            self.shares.update(shares)
+            if whole_kind:
+                self.shares.update({m: shares[name] for name in shares
+                                    for m, k in zip(self.members, self.kinds)
+                                    if k == self.kind_of(name) and m not in shares})
+
+    # -- eager mode (runtime/model_budget.py) ---------------------------------------------
+
+    def eager_state(self, make: Callable[[], Any]) -> Any:
+        """The eager engine's bookkeeping of steps and prices (``make()`` the first time)."""
+        with self.lock:
+            if self.eager is None:
+                self.eager = make()
+            return self.eager
+
+    def priced(self, weight: float, shares: dict[str, int], unconstrained: dict[str, int],
+               note: str) -> None:
+        """The price found over a step's calls: each region's share and its bytes without
+        the budget."""
+        with self.lock:
+            self.weight, self.shares, self.unconstrained = weight, shares, unconstrained
+            self.notes.append(note)
