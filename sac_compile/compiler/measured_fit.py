@@ -128,21 +128,20 @@ def _held_note(budget: PeakBudget, cap: int, measured: list[tuple[int, int]]) ->
 
 def _still_above(budget: PeakBudget, cap: int, measured: list[tuple[int, int]],
                  cause: BudgetUnreachableError | None) -> BudgetUnreachableError:
+    from ..budgets.unreachable import unreachable_error
     from ..report import fmt_bytes
     least = min(p for _, p in measured)
     why = ("the model cannot lower the split's peak further" if cause is not None else
            f"after {len(measured)} splits, each under a cap lowered by what the last one "
            "measured above it")
-    return BudgetUnreachableError(
-        f"{budget.label()} is not met, measured: the compiled step, run once on copies of "
-        f"its inputs, peaked at {', '.join(f'{p:,} B' for _, p in measured)} (cap "
-        f"{fmt_bytes(cap)}), and {why}. "
-        f"Raise the budget to at least the least measured, "
-        f"memory_budget=PeakBudget({least}), or checkpoint more values (a policy that "
-        "recomputes more, or MUST_RECOMPUTE where the policy saves)",
-        budget=budget.value, least_bytes=least,
-        unconstrained_bytes=cause.unconstrained_bytes if cause is not None else least,
-        proposed_budget=PeakBudget(least))
+    return unreachable_error(
+        f"{budget.label()} (cap {fmt_bytes(cap)})",
+        f"measured, the compiled step, run once on copies of its inputs, peaked at "
+        f"{', '.join(f'{p:,} B' for _, p in measured)}, and {why}",
+        ["checkpoint more values (a policy that recomputes more, or MUST_RECOMPUTE where "
+         "the policy saves)"],
+        budget=budget, least=least,  # (measured: the least proposed, not the model's)
+        unconstrained=max(least, cause.unconstrained_bytes if cause is not None else 0))
 
 
 def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
