@@ -169,6 +169,9 @@ _LAZY: dict[str, _Entry] = {
     # enable_autograd_cache) and Inductor's (custom_partitioner_fn,
     # post_grad_custom_pre_pass, fallback_random).
     "functorch_config": _Entry("torch._functorch.config", None),
+    # Whether a profiler is running: the measured check of a PeakBudget under Inductor
+    # measures with one on the CPU, and does not start a second (2.11-2.13).
+    "profiler_enabled": _Entry("torch._C._autograd", "_profiler_enabled"),
     "inductor_config": _Entry("torch._inductor.config", None),
     # Inductor: our inductor backend compiles with compile_fx; SACPartitioner is a
     # CustomPartitionerFn and RemoveMarkers a CustomGraphPass (their uuid() is how Inductor's

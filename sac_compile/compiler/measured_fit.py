@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from ..budgets import PeakBudget
 from ..errors import BudgetUnreachableError
@@ -156,7 +155,8 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
         return None, "its inputs include tensor subclasses"
     devices = {t.device for t in tensors}
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    if device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+    from ..torch_internals import profiler_enabled, pytree
+    if device.type == "cpu" and profiler_enabled():
         return None, "a profiler is running, and the CPU measurement is the profiler's"
     copies = {}  # one copy per input storage, so inputs that alias still do
     args = [_copy(a, copies) for a in example_inputs]
@@ -164,7 +164,7 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
     with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
         try:
             with measured_peak(device) as m:
-                outputs = [o for o in tree_leaves(compiled(*args))
+                outputs = [o for o in pytree.tree_leaves(compiled(*args))
                            if isinstance(o, torch.Tensor) and o.requires_grad]
                 if not outputs:
                     return None, "no output needs a gradient"
