@@ -55,26 +55,27 @@ def unpack(packed: Any) -> torch.Tensor:
 # autograd cannot run without it): its ``in_compiled_autograd_region`` is True while a
 # compiled-autograd graph runs.
 _CA: Any = None
-_DYNAMO_OPAQUE_UNPACK: Any = None
 
 
 def unpack_hook() -> Any:
-    """The unpack hook to register. Under compiled autograd, Dynamo compiles the backward
-    graph and would trace into ``unpack`` (its lock, the recorded op calls, the node
-    caches), breaking the graph inside it and guarding on runtime state. Once Dynamo is
-    loaded the hook is ``torch._dynamo.disable(unpack)``: Dynamo calls it as an opaque
-    function (one graph break per unpack, as for torch's own checkpoint hooks) and the
-    runtime runs as in eager mode. Without Dynamo loaded the plain function saves the
-    wrapper's cost (about a microsecond per unpack)."""
-    global _CA, _DYNAMO_OPAQUE_UNPACK
-    if _DYNAMO_OPAQUE_UNPACK is None:
-        if "torch._dynamo" not in sys.modules:
-            return unpack
-        from ..torch_internals import compiled_autograd, dynamo_disable
+    """The unpack hook to register: ``unpack`` itself. Under compiled autograd, Dynamo
+    compiles the backward graph and would trace into ``unpack`` (its lock, the recorded op
+    calls, the node caches), breaking the graph inside it and guarding on runtime state.
+    Once Dynamo is loaded, ``unpack`` carries the flag ``torch._dynamo.disable`` puts on its
+    wrapper (Dynamo calls it as an opaque function: one graph break per unpack, as for
+    torch's own checkpoint hooks), and its code object the skip-with-everything-it-calls
+    strategy (``keep_dynamo_out``), so the runtime runs as in eager mode. No wrapper:
+    ``torch._dynamo.disable``'s costs a frame and two eval-frame swaps per unpack."""
+    global _CA
+    if _CA is None and "torch._dynamo" in sys.modules:
+        from ..torch_internals import compiled_autograd
+        from . import keep_dynamo_out
+        keep_dynamo_out()
+        unpack._torchdynamo_disable = True  # type: ignore[attr-defined]
+        unpack._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+            "sac_compile's unpack hook runs the eager runtime (recompute)")
         _CA = compiled_autograd
-        _DYNAMO_OPAQUE_UNPACK = dynamo_disable(
-            unpack, reason="sac_compile's unpack hook runs the eager runtime (recompute)")
-    return _DYNAMO_OPAQUE_UNPACK
+    return unpack
 
 
 def _unpack_progressive(packed: NodeOutput) -> torch.Tensor:
