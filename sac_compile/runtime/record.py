@@ -183,7 +183,7 @@ class RegionRecorder(TorchDispatchMode):
         self.nodes_recorded = seq + 1
         # The shape as a plain tuple: the collector stops tracking a tuple of ints.
         node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
-                      [(wr, out._version, tuple(out.shape), out.dtype)])
+                      ((wr, out._version, tuple(out.shape), out.dtype),))
         producers[id(out)] = NodeOutput(node, 0)
         fixed = self.fixed
         decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)

@@ -141,7 +141,10 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
                     f"the value of {node.describe()} is no longer available: backward needs "
                     f"it again after it was freed. Pass retain_graph=True to the first "
                     f"backward to run backward twice")
-            reused = _live_forward_outputs(node)
+            facts = node.outs[0] if len(node.outs) == 1 else ()
+            # (one output, and dead: the common case, checked without a call)
+            reused = None if facts is not None and facts and facts[0]() is None \
+                else _live_forward_outputs(node)
             if reused is not None:
                 node.value = reused
                 stack.pop()
@@ -269,7 +272,12 @@ def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
     for a in node.args:  # map_refs, inlined for the common plain reference
         cls = type(a)
         if cls is NodeOutput:
-            args.append(_recomputed_value(a))
+            dep = a.node
+            value = dep.value
+            if value is not None and dep.versions is None:  # recomputed: nothing to check
+                args.append(value[a.index])
+            else:
+                args.append(_recomputed_value(a))
         elif cls is LeafRef:
             if a.stale():
                 raise stale_leaf(node, a)
