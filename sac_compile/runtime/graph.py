@@ -194,7 +194,7 @@ class OpNode:
         self.versions: list[int | None] | None = None
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output. The recorder's fast path passes a tuple
-        # (one object fewer for the collector); only ``RegionRecorder._add`` appends.
+        # (smaller than a list, built without a call); only ``RegionRecorder._add`` appends.
         self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
         # Progressive release (compiled autograd holds every handle until its graph
         # returns): ``uses`` is how often one backward reads this node (its handles'
