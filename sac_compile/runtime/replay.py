@@ -64,13 +64,12 @@ def unpack_hook() -> Any:
     Once Dynamo is loaded, ``unpack`` carries the flag ``torch._dynamo.disable`` puts on its
     wrapper (Dynamo calls it as an opaque function: one graph break per unpack, as for
     torch's own checkpoint hooks), and its code object the skip-with-everything-it-calls
-    strategy (``keep_dynamo_out``), so the runtime runs as in eager mode. No wrapper:
+    strategy (``keep_dynamo_out``, which ``eager_region`` applies before it asks for this
+    hook), so the runtime runs as in eager mode. No wrapper:
     ``torch._dynamo.disable``'s costs a frame and two eval-frame swaps per unpack."""
     global _CA
     if _CA is None and "torch._dynamo" in sys.modules:
         from ..torch_internals import compiled_autograd
-        from . import keep_dynamo_out
-        keep_dynamo_out()
         unpack._torchdynamo_disable = True  # type: ignore[attr-defined]
         unpack._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
             "sac_compile's unpack hook runs the eager runtime (recompute)")
