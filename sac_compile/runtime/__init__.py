@@ -122,6 +122,8 @@ def keep_dynamo_out() -> None:
     Called on the first region entry once Dynamo is loaded (``"torch._dynamo" in
     sys.modules``): an eager-only user never imports it."""
     global _dynamo_kept_out
+    if _dynamo_kept_out:
+        return
     _dynamo_kept_out = True
     try:
         from ..torch_internals import FrameAction, FrameExecStrategy, set_code_exec_strategy

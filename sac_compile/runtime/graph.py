@@ -156,17 +156,31 @@ class NodeOutput:
 
 class OpNode:
     __slots__ = ("op", "args", "kwargs", "decision", "frames", "ctx", "value",
-                 "versions", "outs", "rng", "packed", "mutated_by", "seq",
-                 "names", "tag", "uses", "spent", "kept", "kept_versions", "via_hooks",
-                 "__weakref__")
+                 "versions", "outs", "seq", "uses", "spent", "__dict__", "__weakref__")
 
     # Every object a node keeps is one more for Python's cyclic collector to walk until
     # backward frees it (a full collection walks every live object: its cost per recorded
     # op was larger than the recording's own). So a node keeps little: the nodes it reads
     # are found from its arguments (``deps``), not kept in a list of their own.
 
+    # What few nodes ever set: class-level defaults, read through the instance; a node that
+    # sets one gets its ``__dict__`` then (Python creates it on the first such write). The
+    # recorder so stores 12 fields per op instead of 20.
+    rng: Any = None                    # (generator, state) for random ops
+    packed: list[Any] | None = None    # SaveWithHooks / offload storage
+    mutated_by: str | None = None      # op that mutated a saved output in forward
+    names: frozenset[str] = _NO_NAMES
+    tag: Opinion | None = None
+    # Some outputs of a multi-output op kept under a memory budget (None where not),
+    # and their versions then; the op stays recomputable for the others.
+    kept: list[Any] | None = None
+    kept_versions: list[int | None] | None = None
+    # Whether recomputing this node reads a value restored by SaveWithHooks (None until
+    # a backward asks; replay.py): then a live forward output is not reused for it.
+    via_hooks: bool | None = None
+
     def __init__(self, op: Any, args: tuple, kwargs: dict, frames: tuple,
-                 ctx: ReplayContext, seq: int, outs: list | None = None) -> None:
+                 ctx: ReplayContext, seq: int, outs: list | tuple | None = None) -> None:
         self.op = op
         self.args = args   # None once the node can never be recomputed again
         self.kwargs = kwargs
@@ -179,26 +193,15 @@ class OpNode:
         # output), their versions then: the program may mutate them before backward.
         self.versions: list[int | None] | None = None
         # Per output: (weakref to the forward tensor, its version when produced, shape,
-        # dtype), or None for a non-tensor output.
+        # dtype), or None for a non-tensor output. The recorder's fast path passes a tuple
+        # (smaller than a list, built without a call); only ``RegionRecorder._add`` appends.
         self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
-        self.rng: Any = None                    # (generator, state) for random ops
-        self.packed: list[Any] | None = None    # SaveWithHooks / offload storage
-        self.mutated_by: str | None = None      # op that mutated a saved output in forward
-        self.names: frozenset[str] = _NO_NAMES
-        self.tag: Opinion | None = None
         # Progressive release (compiled autograd holds every handle until its graph
         # returns): ``uses`` is how often one backward reads this node (its handles'
         # unpacks and the replays of the recomputed nodes that read it), counted when the
         # region ends; ``spent`` counts them within the current backward. At the last one a
         # recomputed value is dropped.
         self.uses = self.spent = 0
-        # Some outputs of a multi-output op kept under a memory budget (None where not),
-        # and their versions then; the op stays recomputable for the others.
-        self.kept: list[Any] | None = None
-        self.kept_versions: list[int | None] | None = None
-        # Whether recomputing this node reads a value restored by SaveWithHooks (None until
-        # a backward asks; replay.py): then a live forward output is not reused for it.
-        self.via_hooks: bool | None = None
 
     @property
     def deps(self) -> list[OpNode]:

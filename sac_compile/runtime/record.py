@@ -183,7 +183,7 @@ class RegionRecorder(TorchDispatchMode):
         self.nodes_recorded = seq + 1
         # The shape as a plain tuple: the collector stops tracking a tuple of ints.
         node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
-                      [(wr, out._version, tuple(out.shape), out.dtype)])
+                      ((wr, out._version, tuple(out.shape), out.dtype),))
         producers[id(out)] = NodeOutput(node, 0)
         fixed = self.fixed
         decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)
@@ -334,18 +334,21 @@ class RegionRecorder(TorchDispatchMode):
     # -- saved tensor hooks -------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        found = self.lookup(t)
-        if found is None:
-            if t.grad_fn is not None:
-                self.suspended = True
-                try:
-                    t = t.detach()  # a tensor with history: no cycle through our storage
-                finally:
-                    self.suspended = False
-            return ForeignSaved(t, self.frames[-1].name)
-        handle = NodeOutput(found[0], found[1])
-        self.handles.append(handle)
-        return handle
+        ref = self.producers.get(id(t))  # self.lookup(t), inlined: one call per saved tensor
+        if ref is not None:
+            facts = ref.node.outs[ref.index]
+            if facts[0]() is t and t._version == facts[1]:
+                # A handle of its own: follow_unversioned_write may move it.
+                handle = NodeOutput(ref.node, ref.index)
+                self.handles.append(handle)
+                return handle
+        if t.grad_fn is not None:
+            self.suspended = True
+            try:
+                t = t.detach()  # a tensor with history: no cycle through our storage
+            finally:
+                self.suspended = False
+        return ForeignSaved(t, self.frames[-1].name)
 
     # -- region exit ----------------------------------------------------------------------
 

@@ -55,26 +55,26 @@ def unpack(packed: Any) -> torch.Tensor:
 # autograd cannot run without it): its ``in_compiled_autograd_region`` is True while a
 # compiled-autograd graph runs.
 _CA: Any = None
-_DYNAMO_OPAQUE_UNPACK: Any = None
 
 
 def unpack_hook() -> Any:
-    """The unpack hook to register. Under compiled autograd, Dynamo compiles the backward
-    graph and would trace into ``unpack`` (its lock, the recorded op calls, the node
-    caches), breaking the graph inside it and guarding on runtime state. Once Dynamo is
-    loaded the hook is ``torch._dynamo.disable(unpack)``: Dynamo calls it as an opaque
-    function (one graph break per unpack, as for torch's own checkpoint hooks) and the
-    runtime runs as in eager mode. Without Dynamo loaded the plain function saves the
-    wrapper's cost (about a microsecond per unpack)."""
-    global _CA, _DYNAMO_OPAQUE_UNPACK
-    if _DYNAMO_OPAQUE_UNPACK is None:
-        if "torch._dynamo" not in sys.modules:
-            return unpack
-        from ..torch_internals import compiled_autograd, dynamo_disable
+    """The unpack hook to register: ``unpack`` itself. Under compiled autograd, Dynamo
+    compiles the backward graph and would trace into ``unpack`` (its lock, the recorded op
+    calls, the node caches), breaking the graph inside it and guarding on runtime state.
+    Once Dynamo is loaded, ``unpack`` carries the flag ``torch._dynamo.disable`` puts on its
+    wrapper (Dynamo calls it as an opaque function: one graph break per unpack, as for
+    torch's own checkpoint hooks), and its code object the skip-with-everything-it-calls
+    strategy (``keep_dynamo_out``, which ``eager_region`` applies before it asks for this
+    hook), so the runtime runs as in eager mode. No wrapper:
+    ``torch._dynamo.disable``'s costs a frame and two eval-frame swaps per unpack."""
+    global _CA
+    if _CA is None and "torch._dynamo" in sys.modules:
+        from ..torch_internals import compiled_autograd
+        unpack._torchdynamo_disable = True  # type: ignore[attr-defined]
+        unpack._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+            "sac_compile's unpack hook runs the eager runtime (recompute)")
         _CA = compiled_autograd
-        _DYNAMO_OPAQUE_UNPACK = dynamo_disable(
-            unpack, reason="sac_compile's unpack hook runs the eager runtime (recompute)")
-    return _DYNAMO_OPAQUE_UNPACK
+    return unpack
 
 
 def _unpack_progressive(packed: NodeOutput) -> torch.Tensor:
@@ -140,7 +140,10 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
                     f"the value of {node.describe()} is no longer available: backward needs "
                     f"it again after it was freed. Pass retain_graph=True to the first "
                     f"backward to run backward twice")
-            reused = _live_forward_outputs(node)
+            facts = node.outs[0] if len(node.outs) == 1 else ()
+            # (one output, and dead: the common case, checked without a call)
+            reused = None if facts is not None and facts and facts[0]() is None \
+                else _live_forward_outputs(node)
             if reused is not None:
                 node.value = reused
                 stack.pop()
@@ -268,7 +271,12 @@ def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
     for a in node.args:  # map_refs, inlined for the common plain reference
         cls = type(a)
         if cls is NodeOutput:
-            args.append(_recomputed_value(a))
+            dep = a.node
+            value = dep.value
+            if value is not None and dep.versions is None:  # recomputed: nothing to check
+                args.append(value[a.index])
+            else:
+                args.append(_recomputed_value(a))
         elif cls is LeafRef:
             if a.stale():
                 raise stale_leaf(node, a)
