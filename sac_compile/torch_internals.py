@@ -47,7 +47,7 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "dispatch_tls_local_exclude_set", "ForceDispatchKeyGuard", "current_autograd_node",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
-           "dynamo_recompile_limits", "offload_ops", "symbolic_hint",
+           "dynamo_recompile_limits", "offload_ops", "symbolic_hint", "mark_dynamo_opaque",
            "profiler_memory_events"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
@@ -269,6 +269,15 @@ def offload_ops() -> tuple[Any, Any, Any]:
                 torch.ops.ao.wait_tensor.default)
     except (AttributeError, RuntimeError) as e:
         raise TorchAPIMissing("torch.ops.ao.offload / reload / wait_tensor", "2.12", e) from e
+
+
+def mark_dynamo_opaque(fn: Any, reason: str) -> None:
+    """Dynamo calls ``fn`` as an opaque function (a graph break), as for
+    ``torch._dynamo.disable(fn)``, without its wrapper (a frame and two eval-frame swaps per
+    call): the flag that wrapper carries, set on ``fn`` itself (``_torchdynamo_disable``,
+    read by Dynamo's function variables, 2.11-2.13; its message only where read)."""
+    fn._torchdynamo_disable = True
+    fn._torchdynamo_disable_msg = reason
 
 
 def symbolic_hint(value: Any, *, fallback: int) -> Any:

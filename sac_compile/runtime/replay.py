@@ -69,10 +69,9 @@ def unpack_hook() -> Any:
     ``torch._dynamo.disable``'s costs a frame and two eval-frame swaps per unpack."""
     global _CA
     if _CA is None and "torch._dynamo" in sys.modules:
-        from ..torch_internals import compiled_autograd
-        unpack._torchdynamo_disable = True  # type: ignore[attr-defined]
-        unpack._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
-            "sac_compile's unpack hook runs the eager runtime (recompute)")
+        from ..torch_internals import compiled_autograd, mark_dynamo_opaque
+        mark_dynamo_opaque(unpack, "sac_compile's unpack hook runs the eager runtime "
+                                   "(recompute)")
         _CA = compiled_autograd
     return unpack
 
