@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from sac_compile.compiler import inductor_alloc as ia
 from sac_compile.compiler.peak import cut_peaks
-from sac_compile.compiler.storage_walk import Walk as _Walk
+from sac_compile.compiler.storage_walk import Walk
 from sac_compile.cut.network import classify
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -35,7 +35,7 @@ class _G:
         return n
 
 
-def _everything(walk: _Walk):
+def _everything(walk: Walk):
     return lambda k: k[0] not in walk.given_names
 
 
@@ -94,7 +94,7 @@ def test_nothing_is_written_into_a_storage_of_another_dtype():
 
 # -- reuse of freed storages ------------------------------------------------------------------
 
-def _chain(big: int) -> _Walk:
+def _chain(big: int) -> Walk:
     """a = x @ w1 (64 KiB); b = a @ w2 (``big`` KiB); c = b @ w3 (64 KiB); d = c @ w1: a
     dies at b, and c is of a's kind."""
     b = _G()
@@ -107,7 +107,7 @@ def _chain(big: int) -> _Walk:
     d = b.op(aten.mm.default, (c, w1), 128, 128)
     b.g.output((d,))
     nodes = list(b.g.nodes)
-    return _Walk([n for n in nodes if n.op != "placeholder"],
+    return Walk([n for n in nodes if n.op != "placeholder"],
                  given=[n for n in nodes if n.op == "placeholder"])
 
 
@@ -139,10 +139,10 @@ def test_a_storage_is_not_held_across_a_gap_that_would_raise_the_peak():
     nodes = list(b.g.nodes)
     seq = [n for n in nodes if n.op != "placeholder"]
     given = [n for n in nodes if n.op == "placeholder"]
-    walk = _Walk(seq, given=given)
+    walk = Walk(seq, given=given)
     plain = walk.sweep(_everything(walk))[0]
     assert ia.reused(walk, _everything(walk)) == set()
-    walk = _Walk(seq, given=given)
+    walk = Walk(seq, given=given)
     taken = ia.reused(walk, _everything(walk), plain + 64 * KIB)
     assert taken == {(d.name, 0)}
     assert walk.sweep(lambda k: _everything(walk)(k) and k not in taken)[0] == \
@@ -163,7 +163,7 @@ def test_a_product_read_only_by_an_add_is_made_where_the_add_runs():
     s2 = g.op(aten.add.Tensor, (g.op(aten.mm.default, (a, bb), 128, 128), late), 128, 128)
     g.g.output((s, s2))
     nodes = list(g.g.nodes)
-    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
                  given=[n for n in nodes if n.op == "placeholder"])
     folded = ia.folded_into_addmm(walk, _fusible)
     assert {k[0]: add for k, add in folded.items()} == {q.name: s, s2.args[0].name: s2}
@@ -179,7 +179,7 @@ def test_random_numbers_are_drawn_inside_the_kernel_that_reads_them():
     y = g.op(aten.mul.Tensor, (x, keep), 256, 256)
     g.g.output((y,))
     nodes = list(g.g.nodes)
-    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
                  given=[n for n in nodes if n.op == "placeholder"])
     made, read = ia.inductor_fusible(_fusible)
     assert ia.fused_away(walk, made, read) == {(r.name, 0), (keep.name, 0)}
@@ -202,7 +202,7 @@ def test_a_value_read_twice_is_allocated_when_it_reads_more_than_four_storages(i
     o1, o2 = g.op(aten.mm.default, (r1, w), 64, 64), g.op(aten.mm.default, (r2, w), 64, 64)
     g.g.output((o1, o2))
     nodes = list(g.g.nodes)
-    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
                  given=[n for n in nodes if n.op == "placeholder"])
     away = ia.fused_away(walk, _fusible)
     assert ((s.name, 0) not in away) is allocated
@@ -227,7 +227,7 @@ def test_kernels_reading_the_same_storage_run_together_where_the_first_ran():
     o2 = g.op(aten.mm.default, (k2, w), 128, 128)
     g.g.output((o1, o2))
     nodes = list(g.g.nodes)
-    walk = _Walk([n for n in nodes if n.op != "placeholder"],
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
                  given=[n for n in nodes if n.op == "placeholder"])
     order = [n.name for n in inductor_order(walk, set(), _fusible) if n.op != "output"]
     assert order.index(b2.name) < order.index(k1.name) and \

@@ -158,7 +158,9 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
     from ..torch_internals import profiler_enabled, pytree
     if device.type == "cpu" and profiler_enabled():
         return None, "a profiler is running, and the CPU measurement is the profiler's"
-    copies = {}  # one copy per input storage, so inputs that alias still do
+    # one copy per distinct input (the same tensor passed twice is one copy; two views of
+    # one storage become two independent copies)
+    copies: dict[Any, torch.Tensor] = {}
     args = [_copy(a, copies) for a in example_inputs]
     cuda = [d for d in devices if d.type == "cuda"]
     with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
