@@ -24,8 +24,10 @@ This module imports nothing from ``sac_compile``: it is the bottom of the packag
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -48,7 +50,7 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
            "dynamo_recompile_limits", "offload_ops", "symbolic_hint", "mark_dynamo_opaque",
-           "profiler_memory_events"]  # and the lazy names of _LAZY, which
+           "profiler_memory_events", "aot_mutated_inputs"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
 
@@ -278,6 +280,29 @@ def mark_dynamo_opaque(fn: Any, reason: str) -> None:
     read by Dynamo's function variables, 2.11-2.13; its message only where read)."""
     fn._torchdynamo_disable = True
     fn._torchdynamo_disable_msg = reason
+
+
+@contextlib.contextmanager
+def aot_mutated_inputs(num_inputs: int) -> Iterator[list[frozenset[int] | None]]:
+    """Around one AOTAutograd compile of a graph with ``num_inputs`` inputs: yields a list
+    whose one item, after the ``with``, is the positions of the inputs the compiled graph
+    writes (their data or their metadata), from AOTAutograd's own analysis (the tracing
+    context's ``fw_metadata.input_info``, set for the compile and read by Inductor and
+    DDP's backend the same way, 2.11-2.13); ``None`` where that is not known (no tracing
+    context, no metadata, or an input list AOTAutograd changed: duplicate inputs removed,
+    aliased ones merged), which the caller must read as "any input may be written"."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    found: list[frozenset[int] | None] = [None]
+    if context is None or not hasattr(context, "fw_metadata"):
+        yield found
+        return
+    context.fw_metadata = None  # (this compile's, not an earlier graph's)
+    yield found
+    info = getattr(context.fw_metadata, "input_info", None)
+    if info is not None and len(info) == num_inputs:
+        found[0] = frozenset(i for i, a in enumerate(info)
+                             if a.mutates_data or a.mutates_metadata)
 
 
 def symbolic_hint(value: Any, *, fallback: int) -> Any:

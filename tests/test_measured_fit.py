@@ -5,12 +5,14 @@ blocks, relaxed save_matmuls), compiled by Inductor; figures are bytes and count
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fixtures.stack import Stack, stack_inputs
-from sac_compile import BudgetUnreachableError, PeakBudget, policies
+from sac_compile import BudgetUnreachableError, PeakBudget, apply_regions, policies
 from sac_compile.compiler import SACPartitioner, make_backend, measured_fit
 from sac_compile.measured_peak import measure_peak, measured_peak
 from sac_compile.report import PartitionReport
@@ -34,7 +36,7 @@ def _compiled_step(budget, monkeypatch=None, trial=None):
             return real_partition(self, *a, **k)
         monkeypatch.setattr(SACPartitioner, "_partition", counted)
         if trial is not None:
-            def fake(compiled, inputs):
+            def fake(compiled, inputs, written=None):
                 calls.append(1)
                 return trial(len(calls)), ""
             monkeypatch.setattr(measured_fit, "trial_step_peak", fake)
@@ -112,6 +114,70 @@ def test_the_trial_leaves_inputs_gradients_and_the_random_stream_as_they_were():
     assert w.grad is None and torch.equal(buf, torch.zeros(64))
     real = measure_peak(lambda: step(w, x, buf).backward())
     assert real.bytes == peak
+
+
+def test_the_trial_aliases_what_the_graph_only_reads_and_copies_what_it_writes():
+    """``written`` (AOTAutograd's analysis) names the buffer: the parameter is aliased (the
+    same storage, no second copy), never given a ``.grad``, its hook never run; the
+    buffer is a copy, so the user's is not updated. Unknown (None): everything copied."""
+    w = torch.randn(64, 64, requires_grad=True)
+    hooked = []
+    w.register_hook(lambda g: hooked.append(g))
+    buf = torch.zeros(64)
+
+    def step(w, x, buf):
+        buf.add_(1)
+        return (x @ w).sum()
+
+    x = torch.randn(32, 64)
+    args = measured_fit.trial_inputs([w, x, buf], written={2})
+    assert args[0].data_ptr() == w.data_ptr() and args[0] is not w and args[0].is_leaf
+    assert args[1].data_ptr() == x.data_ptr()
+    assert args[2].data_ptr() != buf.data_ptr()
+    peak, why = measured_fit.trial_step_peak(step, [w, x, buf], written={2})
+    assert why == "" and peak > 0
+    assert w.grad is None and hooked == [] and torch.equal(buf, torch.zeros(64))
+    assert all(a.data_ptr() != t.data_ptr() for a, t in
+               zip(measured_fit.trial_inputs([w, x, buf], written=None), [w, x, buf]))
+
+
+def test_compiled_trial_holds_no_copy_of_the_parameters_and_leaves_running_stats(
+        monkeypatch):
+    """Inductor, PeakBudget: AOTAutograd says which inputs the graph writes (BatchNorm's
+    running statistics and its batch count); only those are copied for the trial, the
+    parameters are aliased. After compiling and one step the running statistics are one
+    step's, as in eager mode: the trial did not update them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    reference = copy.deepcopy(model)
+    apply_regions(model, RELAXED, where=lambda path, m: path == "")
+    x = torch.randn(16, 32)
+    seen = []
+    real = measured_fit.trial_inputs
+
+    def spy(inputs, written):
+        args = real(inputs, written)
+        seen.append((written, [(i, a.data_ptr() == t.data_ptr()) for i, (a, t) in
+                               enumerate(zip(args, inputs)) if isinstance(t, torch.Tensor)]))
+        return args
+    monkeypatch.setattr(measured_fit, "trial_inputs", spy)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(10**9),
+                                                   on_partition=reports.append))
+    fn(x).sum().backward()
+    reference(x).sum().backward()
+    (written, aliased), = seen
+    assert reports[0].budget_measured is not None
+    params = list(model.parameters())
+    assert written is not None and len(written) == 3  # running mean, var, batch count
+    assert sum(1 for _, same in aliased if not same) == len(written)
+    assert sum(1 for _, same in aliased if same) >= len(params)  # (x, parameters)
+    bn, ref_bn = model[1], reference[1]
+    assert int(bn.num_batches_tracked) == 1
+    assert torch.allclose(bn.running_mean, ref_bn.running_mean, atol=1e-6)
+    assert torch.allclose(bn.running_var, ref_bn.running_var, atol=1e-6)
 
 
 def test_no_trial_under_a_running_profiler():

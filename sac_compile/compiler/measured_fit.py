@@ -1,6 +1,6 @@
 """A :class:`~sac_compile.budgets.PeakBudget` under Inductor, held by the allocator's figure
-rather than by the model: the compiled graph's step is run once, on copies of its inputs,
-before the backend hands it out; where the measured peak is above the cap, the split is
+rather than by the model: the compiled graph's step is run once, on stand-ins for its
+inputs, before the backend hands it out; where the measured peak is above the cap, the split is
 made again under a cap lowered by the excess, and measured again. Where a lowering did not
 lower the measured peak (the model's error is not the same at every cut), the next is
 lowered by the model's error at that split (measured minus modelled) or twice the excess,
@@ -15,14 +15,19 @@ measured by :mod:`sac_compile.measured_peak` (CPU: the profiler's allocation eve
 accelerator: its allocator's peak statistic), and costs one forward and backward per try at
 compile time.
 
-The trial runs on copies of the graph's tensor inputs (the user's parameters and buffers
-are never written, their ``.grad`` never touched), with the RNG state restored afterwards
-(the user's random stream is unchanged). It is skipped, with a report note saying so,
-where it cannot measure: a profiler already running (CPU), inputs that are tensor
-subclasses, no output needing a gradient (nothing to budget), or a trial that raised (the
-step itself then raises where the user runs it). On an accelerator the trial resets the
-device's peak statistic (as ``measured_peak`` does) and holds a copy of the graph's inputs,
-parameters included, while it runs. Each try is a partition
+The trial runs on stand-ins for the graph's tensor inputs (:func:`trial_inputs`): those the
+graph writes (a buffer updated in place, as AOTAutograd's analysis of the graph says; every
+input where it says nothing) are copies, every other one an alias of the user's tensor
+(a new leaf on its storage, read and never written), so the trial holds no second copy of
+the parameters and the user's parameters, buffers, ``.grad`` and hooks are untouched; the
+RNG state is restored afterwards (the user's random stream is unchanged). It is skipped,
+with a report note saying so, where it cannot measure: a profiler already running (CPU),
+inputs that are tensor subclasses, no output needing a gradient (nothing to budget), or a
+trial that raised (the step itself then raises where the user runs it). On an accelerator
+the trial resets the device's peak statistic (as ``measured_peak`` does) and, while it
+runs, holds a step's working set (its activations, the gradients it makes, copies of what
+the graph writes) beside the parameters: what the user's first step holds.
+Each try is a partition
 whose report goes to ``on_partition`` only for the split kept, its notes saying what was
 measured.
 Still above the cap after :data:`MAX_TRIES`: :class:`~sac_compile.errors.BudgetUnreachableError`
@@ -31,16 +36,17 @@ with the least measured peak as the proposed budget.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..budgets import PeakBudget
 from ..errors import BudgetUnreachableError
+from ..torch_internals import aot_mutated_inputs
 from .partition import SACPartitioner
 
-__all__ = ["fit_measured", "trial_step_peak", "MAX_TRIES"]
+__all__ = ["fit_measured", "trial_step_peak", "trial_inputs", "MAX_TRIES"]
 
 MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the excess)
 
@@ -59,7 +65,8 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
         for _ in range(MAX_TRIES):
             partitioner.peak_margin, partitioner.last_report = margin, None
             try:
-                with _backward_compiled_now():
+                with _backward_compiled_now(), \
+                        aot_mutated_inputs(len(example_inputs)) as written:
                     compiled = compile_once()
             except BudgetUnreachableError as e:
                 if not measured:
@@ -77,7 +84,7 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
             if report.budget_bytes is None:  # (split by torch's partitioner: no regions)
                 return _emitted(compiled, report, emit)
             cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
-            peak, why_not = trial_step_peak(compiled, example_inputs)
+            peak, why_not = trial_step_peak(compiled, example_inputs, written=written[0])
             if peak is None:
                 report.notes.append(f"{budget.label()}: the step was not measured before "
                                     f"the first run ({why_not}); it holds as the model does")
@@ -121,7 +128,7 @@ def _emitted(compiled: Any, report: Any, emit: Callable[[Any], Any] | None) -> A
 def _held_note(budget: PeakBudget, cap: int, measured: list[tuple[int, int]]) -> str:
     tries = "; then ".join(f"{p:,} B with the cap lowered by {m:,} B" if m else
                            f"{p:,} B" for m, p in measured)
-    return (f"{budget.label()}: the compiled step, run once on copies of its inputs before "
+    return (f"{budget.label()}: the compiled step, run once on stand-ins for its inputs before "
             f"the first step, measured {tries} (cap {cap:,} B)")
 
 
@@ -135,7 +142,7 @@ def _still_above(budget: PeakBudget, cap: int, measured: list[tuple[int, int]],
            "measured above it")
     return unreachable_error(
         f"{budget.label()} (cap {fmt_bytes(cap)})",
-        f"measured, the compiled step, run once on copies of its inputs, peaked at "
+        f"measured, the compiled step, run once before the first step, peaked at "
         f"{', '.join(f'{p:,} B' for _, p in measured)}, and {why}",
         ["checkpoint more values (a policy that recomputes more, or MUST_RECOMPUTE where "
          "the policy saves)"],
@@ -143,12 +150,17 @@ def _still_above(budget: PeakBudget, cap: int, measured: list[tuple[int, int]],
         unconstrained=max(least, cause.unconstrained_bytes if cause is not None else 0))
 
 
-def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
-                    ) -> tuple[int | None, str]:
+def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any], *,
+                    written: Collection[int] | None = None) -> tuple[int | None, str]:
     """The measured peak of one step of ``compiled`` (its forward, then the backward of
-    the sum of every output needing a gradient) on copies of
-    ``example_inputs``: what the step allocates above its start, the gradients it makes
-    included. ``(None, why)`` where it cannot be measured."""
+    the sum of every output needing a gradient) on stand-ins for ``example_inputs``: what
+    the step allocates above its start, the gradients it makes included. ``(None, why)``
+    where it cannot be measured.
+
+    ``written``: the positions of the inputs ``compiled`` writes (AOTAutograd's analysis);
+    those are copied, every other tensor input is aliased (a detached leaf on the same
+    storage: read, never written, its ``.grad`` and hooks not the original's), so the trial
+    holds no copy of the parameters. ``None`` (not known): every tensor input is copied."""
     from ..measured_peak import measured_peak
     tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)]
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
@@ -158,10 +170,7 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
     from ..torch_internals import profiler_enabled, pytree
     if device.type == "cpu" and profiler_enabled():
         return None, "a profiler is running, and the CPU measurement is the profiler's"
-    # one copy per distinct input (the same tensor passed twice is one copy; two views of
-    # one storage become two independent copies)
-    copies: dict[Any, torch.Tensor] = {}
-    args = [_copy(a, copies) for a in example_inputs]
+    args = trial_inputs(example_inputs, written)
     cuda = [d for d in devices if d.type == "cuda"]
     with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
         try:
@@ -180,14 +189,28 @@ def trial_step_peak(compiled: Callable[..., Any], example_inputs: Sequence[Any]
     return m.peak(), ""
 
 
-def _copy(a: Any, copies: dict[Any, torch.Tensor]) -> Any:
-    if isinstance(a, (torch.SymInt, torch.SymFloat)):  # (dynamic shapes): the size it is
-        from ..torch_internals import symbolic_hint
-        return symbolic_hint(a, fallback=-1)
-    if not isinstance(a, torch.Tensor):
-        return a
-    key = (a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape),
-           tuple(a.stride()), a.dtype)
-    if key not in copies:
-        copies[key] = a.detach().clone().requires_grad_(a.requires_grad)
-    return copies[key]
+def trial_inputs(example_inputs: Sequence[Any], written: Collection[int] | None
+                 ) -> list[Any]:
+    """The trial's arguments: symbolic sizes at their hints; a tensor the graph writes
+    (or every tensor, ``written`` None) copied, once per distinct tensor (the same tensor
+    passed twice is one copy; two views of one storage become two independent copies);
+    any other tensor aliased as a new leaf (``detach``: the same storage and version
+    counter, views stay views of it; gradients accumulate into the alias, never into the
+    user's ``.grad``, and no hook of the user's runs)."""
+    copies: dict[Any, torch.Tensor] = {}
+    args = []
+    for i, a in enumerate(example_inputs):
+        if isinstance(a, (torch.SymInt, torch.SymFloat)):  # (dynamic shapes): its size
+            from ..torch_internals import symbolic_hint
+            args.append(symbolic_hint(a, fallback=-1))
+        elif not isinstance(a, torch.Tensor):
+            args.append(a)
+        elif written is not None and i not in written:
+            args.append(a.detach().requires_grad_(a.requires_grad))
+        else:
+            key = (a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape),
+                   tuple(a.stride()), a.dtype)
+            if key not in copies:
+                copies[key] = a.detach().clone().requires_grad_(a.requires_grad)
+            args.append(copies[key])
+    return args
