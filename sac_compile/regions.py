@@ -16,10 +16,12 @@ from torch import nn
 
 from . import runtime
 from .module_regions import RegionConfig, wrap_module
-from .budgets import ModelBudget, RegionBudget, module_kind, region_budget
+from .budgets import ModelBudget, PeakBudget, RegionBudget, module_kind, region_budget
+from .budgets.step_peak import StepPeak
 from .region_groups import frame_in_group, rekey
 from .region_names import _check_target, _region_name
 from .region_run import run_region
+from .torch_internals import pytree, queue_backward_callback
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
                      SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
                      normalize_policy)
@@ -177,7 +179,9 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
     Only the outermost matches are wrapped: one region per block, not one per layer inside
     it. ``memory_budget``: bytes (an int >= 2 or a string such as ``"2GiB"``) are one budget
     for all the regions together (a price per byte found over all of them, see
-    :mod:`sac_compile.budgets`); a fraction in (0, 1] is each region's own. Returns
+    :mod:`sac_compile.budgets`); a fraction in (0, 1] is each region's own; a
+    :class:`~sac_compile.budgets.PeakBudget` in bytes caps the step's peak, measured
+    (eager: :mod:`sac_compile.budgets.step_peak`; compiled, give it to ``make_backend``). Returns
     ``model`` (its submodules are wrapped in place, as ``sac_region`` does)."""
     if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(c, type)
                                                                       for c in where)):
@@ -201,12 +205,20 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
         raise ValueError(f"apply_regions: no submodule of {type(model).__name__} matches "
                          f"where={where!r}; pass the block class (e.g. type(model.layers[0])) "
                          f"or a predicate")
-    budget = region_budget(memory_budget)
+    peak = memory_budget if isinstance(memory_budget, PeakBudget) else None
+    # (a PeakBudget: the regions share a kept-byte cap its controller sets from measured
+    # steps; their RegionBudgets carry the PeakBudget, which is what they were given)
+    budget = RegionBudget(peak) if peak is not None else region_budget(memory_budget)
     names = [path or _region_name(module) for path, module in found]
     kinds = tuple(module_kind(module) for _, module in found)
-    shared = ModelBudget(budget.value, tuple(names), kinds) \
+    shared = ModelBudget(0 if peak is not None else budget.value, tuple(names), kinds) \
         if budget is not None and not isinstance(budget.value, float) else None
-    if shared is not None:
+    if peak is not None:
+        measured = MeasuredSteps(StepPeak(peak, shared))
+        model.register_forward_pre_hook(BudgetStep(shared))
+        model.register_forward_pre_hook(measured.begin, with_kwargs=True)
+        model.register_forward_hook(measured.after_forward)
+    elif shared is not None:
         # A call of the model is a step: the budget caps what a step's region calls keep
         # together (eager: its calls are counted and priced when it ends; blocks compiled
         # one by one: their graphs' runs are counted, and kinds whose split changes are
@@ -326,6 +338,78 @@ class BudgetStep:
         if budget.rekey:
             rekey(budget)
         return None
+
+
+class MeasuredSteps:
+    """The hooks of ``apply_regions(..., memory_budget=PeakBudget(n))`` in eager mode: a
+    call of the model starts a step (after :class:`BudgetStep`, which prices the last one),
+    whose kept-byte cap :class:`~sac_compile.budgets.step_peak.StepPeak` sets; its forward's
+    outputs carry a gradient hook that, once the backward reaches them, queues the report
+    of the step's end for when the whole backward is over (the autograd engine's final
+    callback). Under ``torch.compile`` the hooks are traced and do nothing."""
+
+    def __init__(self, controller: StepPeak) -> None:
+        self.controller = controller
+        self._step = 0  # the step whose end is queued (once per step)
+        self._prices = 0  # prices the whole-model budget had found after the last start
+        self._patterns: dict = {}  # step signature -> its region calls (the last step's)
+        self._solved: dict = {}    # step signature -> the cap its plans were priced at
+
+    def __copy__(self) -> MeasuredSteps:  # copies of the model share the budget
+        return self
+
+    def __deepcopy__(self, memo: dict) -> MeasuredSteps:
+        return self
+
+    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        from .runtime.model_budget import last_calls, reprice
+        leaves = [a for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]
+        signature = tuple((tuple(a.shape), a.dtype, a.device.type) for a in leaves)
+        param = next(module.parameters(), None)
+        device = param.device if param is not None else (
+            leaves[0].device if leaves else torch.device("cpu"))
+        controller, model = self.controller, self.controller.model
+        last = controller.signature
+        if last is not None:
+            pattern = last_calls(model)
+            if pattern:
+                self._patterns[last] = pattern
+            if len(model.notes) > self._prices:  # the step that ended was priced again,
+                self._solved[last] = model.nbytes  # at its cap: a pattern its plans lacked
+                controller.reopen()
+        cap = controller.begin(signature, device)
+        if self._solved.get(signature) != cap:  # this signature's plans: of another cap
+            pattern = self._patterns.get(signature)
+            reprice(model, cap, pattern)
+            if pattern:
+                self._solved[signature] = cap
+        else:
+            model.set_cap(cap)
+        self._prices = len(model.notes)
+        return None
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self.controller.measuring():
+            return None
+        step = self.controller.step
+        outputs = [o for o in pytree.tree_leaves(output)
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+
+        def reached(grad: torch.Tensor) -> None:
+            if self._step != step:
+                self._step = step
+                queue_backward_callback(lambda: self._ended(step))
+        for o in outputs:
+            o.register_hook(reached)
+        return None
+
+    def _ended(self, step: int) -> None:
+        from .runtime.model_budget import step_kept
+        if self.controller.step == step:
+            self.controller.end(step_kept(self.controller.model))
 
 
 from .checkpoint_call import checkpoint  # noqa: E402  (it reads _region_name from here)

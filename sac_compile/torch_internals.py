@@ -50,7 +50,8 @@ __all__ = ["TorchAPIMissing", "TORCH_VERSION", "ID_GUARDS_FUNCTIONS",
            "peek_interpreter_stack", "SAC_RECOMPUTE_MARKER", "sac_storage_key",
            "config_default", "dynamo_backend_registered", "register_dynamo_backend",
            "dynamo_recompile_limits", "offload_ops", "symbolic_hint", "mark_dynamo_opaque",
-           "profiler_memory_events", "aot_mutated_inputs"]  # and the lazy names of _LAZY, which
+           "profiler_memory_events", "aot_mutated_inputs",
+           "queue_backward_callback"]  # and the lazy names of _LAZY, which
 # ``import *`` leaves out: it would import them all
 
 
@@ -303,6 +304,14 @@ def aot_mutated_inputs(num_inputs: int) -> Iterator[list[frozenset[int] | None]]
     if info is not None and len(info) == num_inputs:
         found[0] = frozenset(i for i, a in enumerate(info)
                              if a.mutates_data or a.mutates_metadata)
+
+
+def queue_backward_callback(fn: Any) -> None:
+    """Run ``fn()`` when the backward now running is over (the autograd engine's final
+    callbacks, ``Variable._execution_engine.queue_callback``, as FSDP uses them; 2.11-2.13).
+    Only from inside a backward (a gradient hook); an exception ``fn`` raises leaves
+    ``backward()`` with it."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def symbolic_hint(value: Any, *, fallback: int) -> Any:

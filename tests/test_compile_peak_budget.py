@@ -87,13 +87,11 @@ def test_peak_budget_in_the_config_and_the_cache_key():
     assert len(keys) == 5
 
 
-def test_peak_budget_is_for_compiled_splits_only():
-    with pytest.raises(ValueError, match="PeakBudget caps the modelled peak"):
+def test_peak_budget_is_a_step_budget_not_a_regions_own():
+    """A region's own budget caps what it keeps: a PeakBudget there is refused, naming
+    where it goes (apply_regions over the model, or the backend)."""
+    with pytest.raises(ValueError, match="PeakBudget caps the peak of a whole step"):
         sc.sac_region("recompute_all", memory_budget=PeakBudget("1MiB"))
-    with pytest.raises(ValueError, match="PeakBudget caps the modelled peak"):
-        sc.apply_regions(Stack(2, checkpoint="none"), "recompute_all",
-                         where=lambda p, m: p == "blocks.0",
-                         memory_budget=PeakBudget("1MiB"))
 
 
 # -- the fast rule on issue 17's stack --------------------------------------------------------

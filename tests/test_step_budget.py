@@ -11,7 +11,8 @@ from sac_compile import PeakBudget
 
 pytest.importorskip("transformers")
 
-from sac_compile._bench.step_budget import reference_step, run_step  # noqa: E402
+from sac_compile import policies  # noqa: E402
+from sac_compile._bench.step_budget import reference_step, run_eager_step, run_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,31 @@ def _ok(point):
     assert point.status == "ok", point.note
     assert point.grad_rel is not None and point.grad_rel <= GRAD_RTOL, point
     return point
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_eager_measured_step_peak_within_the_budget(name, references):
+    """Eager, ``apply_regions(..., memory_budget=PeakBudget(n))`` on the decoder layers
+    (``budgets/step_peak.py``): three budgets from full AC's measured step peak (our
+    ``recompute_all`` regions, eager) to no budget's (relaxed save_matmuls); after its
+    calibration steps the measured step is at most ``n`` and at least 85% of it, with no
+    checkpointing's gradients (dropout on: eager replays the masks), and the ops replayed
+    fall as the budget rises."""
+    ref = _reference(references, name)
+    relaxed = policies.relaxed(policies.save_matmuls)
+    free = _ok(run_eager_step(name, "bench", relaxed, reference=ref))
+    full = _ok(run_eager_step(name, "bench", policies.recompute_all, reference=ref))
+    assert full.measured < free.measured
+    budgets = [full.measured, (full.measured + free.measured) // 2,
+               full.measured + 9 * (free.measured - full.measured) // 10]
+    replayed = []
+    for n in budgets:
+        p = _ok(run_eager_step(name, "bench", relaxed, budget=PeakBudget(n), reference=ref))
+        print(f"{name} eager PeakBudget({n}): measured {p.measured} ({p.measured / n:.3f}), "
+              f"{p.replayed} ops replayed (full AC {full.replayed}), after {p.steps} steps")
+        assert 0.85 * n <= p.measured <= n, (n, p)
+        replayed.append(p.replayed)
+    assert replayed == sorted(replayed, reverse=True)
 
 
 # (name, budget) -> (modelled, measured) step peaks of the Inductor points, for the model's test

@@ -31,7 +31,7 @@ from .measure import wrap_blocks
 from .partition_figures import PartitionFigures, upstream_aot_eager, upstream_backend
 from .strategies import full_ac, loss_of, ours, torch_sac_prefer, torch_sac_with
 
-__all__ = ["StepPoint", "run_step", "build_model", "STRATEGIES"]
+__all__ = ["StepPoint", "run_step", "run_eager_step", "build_model", "STRATEGIES"]
 
 STRATEGIES = ("ours", "ours recompute_all", "torch none", "torch SAC", "torch full AC")
 
@@ -50,6 +50,8 @@ class StepPoint:
     grad_rel: float | None = None  # largest gradient difference / largest gradient
     note: str = ""
     proposed: Any = None          # unreachable: the budget proposed
+    replayed: int | None = None   # eager: ops the backward replayed
+    steps: int | None = None      # eager PeakBudget: steps run before the measured one
 
 
 def build_model(name: str, size: str, dropout: bool = True) -> tuple[torch.nn.Module, tuple]:
@@ -143,6 +145,51 @@ def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
     else:
         point.flops, point.kept = figures.recompute_flops, figures.kept_bytes
     dynamo_reset()
+    return point
+
+
+def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
+                   reference: dict | None = None, dropout: bool = True) -> StepPoint:
+    """One measured eager step of model ``name`` with ``apply_regions(model, policy,
+    where=<its blocks>, memory_budget=budget)``: with a
+    :class:`~sac_compile.budgets.PeakBudget`, the steps before it calibrate (until its
+    controller measures no more, at most ``MAX_STEPS`` + 1), then one more is measured."""
+    from ..budgets.step_peak import MAX_STEPS
+    from ..measured_peak import measured_peak
+    from ..regions import apply_regions
+    from ..runtime import collect_stats
+
+    point = StepPoint(f"ours eager {getattr(policy, '__name__', policy)}", budget)
+    model, inputs = build_model(name, size, dropout)
+    blocks = {id(b) for b in model.blocks}
+    apply_regions(model, policy, where=lambda path, m: id(m) in blocks,
+                  memory_budget=budget)
+    fits = [h.__self__.controller.fits for h in model._forward_pre_hooks.values()
+            if hasattr(getattr(h, "__self__", None), "controller")]
+
+    def step() -> None:
+        torch.manual_seed(0)
+        loss_of(model(*inputs)).backward()
+
+    try:
+        for point.steps in range(1, MAX_STEPS + 2):
+            step()
+            clear_grads(model, inputs)
+            if not fits or (fits[0] and all(f.done for f in fits[0].values())):
+                break
+        gc.collect()
+        with measured_peak() as m, collect_stats() as stats:
+            step()
+    except CheckpointError as e:  # (a BudgetUnreachableError: a row that says so)
+        point.status, point.note = "unreachable", str(e).split("\n")[0][:160]
+        point.proposed = getattr(e, "proposed_budget", None)
+        return point
+    point.measured, point.replayed = m.bytes, len(stats.recomputed_ops)
+    point.kept = sum(r.nbytes for r in stats.saved)
+    if reference is not None:
+        largest = max(float(g.abs().max()) for g in reference.values())
+        point.grad_rel = max_grad_diff(reference, grads_of(model, inputs)) / largest
+    clear_grads(model, inputs)
     return point
 
 

@@ -5,6 +5,8 @@ Kept-byte budgets keep torch's meaning. Modules, top-down (each imports only lat
 and the shared core below the package, :mod:`sac_compile.cut` included):
 
 ==================  =========================================================================
+``step_peak``       a :class:`PeakBudget` over eager steps: the whole-model kept-byte cap
+                    set from measured step peaks
 ``groups``          per-region caps in one split (ours and torch's), by the exact program
 ``kinds``           a whole-model budget over graphs compiled one by one: the price over
                     the block kinds

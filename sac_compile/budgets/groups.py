@@ -150,6 +150,14 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         for region_id, name, budget in graph_meta.region_budgets(v):
             assert isinstance(budget, RegionBudget)
             model = budget.model
+            if model is not None and model.step_peak is not None:
+                raise CompiledCheckpointError(
+                    f"region {name!r}: apply_regions(memory_budget={model.step_peak!r}) is "
+                    f"held by measuring eager steps, and this region is being compiled. "
+                    f"Compiled, give the peak budget to the backend: apply_regions(model, "
+                    f"policy, where=...) without a memory_budget, and torch.compile(model, "
+                    f"backend=make_backend(memory_budget={model.step_peak!r})) (the model "
+                    f"compiled whole: its step is measured at compile time)")
             key = ("model", id(model)) if model is not None else ("region", region_id)
             if key not in groups:
                 label = (f"memory_budget={budget_label(model.nbytes)} for the whole model "

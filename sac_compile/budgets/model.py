@@ -58,6 +58,9 @@ class ModelBudget:
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
         self.unconstrained: dict[str, int] = {}   # region name -> bytes without a budget
         self.eager: Any = None                    # eager steps and prices (runtime/model_budget.py)
+        # The PeakBudget of a step-peak controller (.step_peak), whose cap this is: below the
+        # least the regions keep they keep their least (no error: the step is measured).
+        self.step_peak: Any = None
         self.notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -171,6 +174,12 @@ class ModelBudget:
             if self.eager is None:
                 self.eager = make()
             return self.eager
+
+    def set_cap(self, nbytes: int) -> bool:
+        """A step-peak controller's new cap; whether it changed."""
+        with self.lock:
+            changed, self.nbytes = nbytes != self.nbytes, nbytes
+        return changed
 
     def priced(self, weight: float, shares: dict[str, int], unconstrained: dict[str, int],
                note: str) -> None:

@@ -3,8 +3,10 @@ for ``sac_region``, ``apply_regions``, ``make_backend`` and the CLI's ``--budget
 
 A float in (0, 1] is a fraction of the activation bytes kept without a budget (the cut of
 the same flow network at no budget); an int >= 2 or a string such as ``"64MiB"`` is bytes.
-A :class:`PeakBudget` is the other kind of budget, for a compiled split only
-(``make_backend(memory_budget=PeakBudget("2GiB"))``): it caps the *step's peak*, the most
+A :class:`PeakBudget` is the other kind of budget, for a compiled split
+(``make_backend(memory_budget=PeakBudget("2GiB"))``) or a model's regions in eager mode
+(``apply_regions(..., memory_budget=PeakBudget("2GiB"))``, :mod:`.step_peak`): it caps the
+*step's peak*, the most
 bytes the step allocates at once above what it began with, gradients included (modelled
 by :mod:`sac_compile.compiler.peak`, as Inductor allocates under Inductor), rather than the
 bytes kept at the end of forward.
@@ -37,8 +39,9 @@ class PeakBudget:
     compiled whole: one split, the forward then its backward. The cut chosen is the
     cheapest to recompute among the kept-byte budgets searched whose modelled step peak
     fits (:mod:`sac_compile.compiler.peak_budget`). Several splits (graph breaks) each get
-    the whole cap. Compile only: a region's ``sac_region(memory_budget=...)`` caps kept
-    bytes. Frozen, hashable and picklable; its ``repr`` is part of the partitioner's cache
+    the whole cap. In eager mode ``apply_regions(..., memory_budget=PeakBudget(n))``
+    (bytes) holds it by measuring steps (:mod:`.step_peak`); a region's own
+    ``sac_region(memory_budget=...)`` caps kept bytes. Frozen, hashable and picklable; its ``repr`` is part of the partitioner's cache
     key."""
 
     value: Union[float, int, str]
@@ -64,6 +67,8 @@ class PeakBudget:
 def budget_label(budget: float | int) -> str:
     """``0.5`` -> ``"50%"``, ``65536`` -> ``"64 KiB"``."""
     from ..report import fmt_bytes
+    if isinstance(budget, PeakBudget):
+        return budget.label()
     if isinstance(budget, float):
         return f"{budget * 100:g}%"
     return fmt_bytes(budget)
@@ -98,10 +103,11 @@ def check_budget(budget: Any, *, what: str = "memory_budget") -> float | int | N
     if budget is None:
         return None
     if isinstance(budget, PeakBudget):
-        raise ValueError(f"{what}={budget!r}: a PeakBudget caps the modelled peak of a "
-                         f"compiled split, and is taken by make_backend(memory_budget=...), "
-                         f"SACPartitioner and PartitionerConfig only; here pass a kept-byte "
-                         f"budget ({_HINT})")
+        raise ValueError(f"{what}={budget!r}: a PeakBudget caps the peak of a whole "
+                         f"step, and is taken by apply_regions(model, ..., memory_budget=...) "
+                         f"(eager: measured per step) and make_backend(memory_budget=...) "
+                         f"(a compiled split); a region's own budget caps the bytes it keeps: "
+                         f"here pass a kept-byte budget ({_HINT})")
     if isinstance(budget, str):
         return parse_budget_text(budget, what=what)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):

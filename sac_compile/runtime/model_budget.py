@@ -42,7 +42,8 @@ from .budget_graph import Plan, RegionGraph, plan_of_cut
 if TYPE_CHECKING:  # annotations only: budget_run calls this module
     from .budget_run import BudgetRun
 
-__all__ = ["on_region_entry", "at_plan", "plan_in_model", "end_step"]
+__all__ = ["on_region_entry", "at_plan", "plan_in_model", "end_step", "reprice",
+           "step_kept", "last_calls"]
 
 _PRICES_KEPT = 8  # recent prices whose plans stay usable (steps alternating patterns)
 
@@ -73,6 +74,7 @@ class _Steps:
     nets: dict = dataclasses.field(default_factory=dict)      # Key -> _Recorded
     prices: dict = dataclasses.field(default_factory=dict)    # gen -> {Key: (count, bytes)}
     next_gen: int = 0
+    last_calls: dict = dataclasses.field(default_factory=dict)  # the last step's calls
 
 
 def _steps(model: ModelBudget) -> _Steps:
@@ -86,10 +88,39 @@ def end_step(model: ModelBudget, *, hooked: bool = True) -> None:
         steps = _steps(model)
         steps.hooked = steps.hooked or hooked
         calls, unpriced = dict(steps.calls), steps.unpriced
+        steps.last_calls = calls
         steps.calls, steps.ran, steps.kept = collections.Counter(), set(), 0
         steps.gen, steps.unpriced, steps.first = None, False, None
         if unpriced and calls:
             _solve(model, steps, calls)
+
+
+def step_kept(model: ModelBudget) -> int:
+    """The bytes this step's region calls keep, so far."""
+    with model.lock:
+        return _steps(model).kept
+
+
+def last_calls(model: ModelBudget) -> dict:
+    """The region calls of the step that ended last: ``{(region, signature): calls}``."""
+    with model.lock:
+        return dict(_steps(model).last_calls)
+
+
+def reprice(model: ModelBudget, nbytes: int, calls: dict | None) -> None:
+    """The cap is now ``nbytes`` (a step-peak controller's, at the start of a step);
+    ``calls`` (a step's pattern, :func:`last_calls`), where known, are priced again under
+    it, so the step applies plans of the new cap; the prices of other patterns (another
+    batch size) stay. Unknown: the step records, as a first step does."""
+    with model.lock:
+        model.set_cap(nbytes)
+        steps = _steps(model)
+        calls = {k: n for k, n in (calls or {}).items() if k in steps.nets}
+        if not calls:
+            return
+        for gen in [g for g, priced in steps.prices.items() if set(priced) <= set(calls)]:
+            del steps.prices[gen]  # (superseded: the same calls, another cap)
+        _solve(model, steps, calls)
 
 
 def on_region_entry(budget: RegionBudget, region: str) -> list[Plan]:
@@ -209,7 +240,7 @@ def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
     recs = [steps.nets[k] for k in keys]
     counts = [calls[k] for k in keys]
     price = solve_shared_price([r.net for r in recs], float(model.nbytes), counts=counts)
-    if price.total > model.nbytes:
+    if price.total > model.nbytes and model.step_peak is None:
         regions = ", ".join(dict.fromkeys(r.region for r in recs))
         raise unreachable_error(
             f"whole-model memory budget {budget_label(model.nbytes)} of apply_regions",

@@ -1,0 +1,234 @@
+"""A step-peak budget in eager mode, held by the allocator's figure:
+``apply_regions(model, policy, where=Block, memory_budget=PeakBudget("20GiB"))``.
+
+``n`` is what :class:`~.values.PeakBudget` says everywhere: the most bytes the step (one
+call of the model, then its backward) allocates at once above what was allocated when it
+began, gradients included, as :mod:`sac_compile.measured_peak` measures it. Eager regions
+are steered by a kept-byte cap over the step (a :class:`~.model.ModelBudget`: one price per
+byte over every region call, blocks run twice counted twice); this controller sets that cap
+from measured steps, per step signature (the shapes and dtypes the model is called with):
+
+1. the first step at a signature keeps the least the regions can (the cap at 0: every value
+   the policy lets be recomputed is), the plan of the least peak a kept-byte cap reaches,
+   and is measured. Above ``n`` twice (a signature's first step also allocates what a
+   program makes once: lazily built buffers, caches):
+   :class:`~sac_compile.errors.BudgetUnreachableError` (raised by the next call of the
+   model), proposing the least measured peak.
+2. Within ``n``, the cap is raised by what the step left unused (``n`` minus its peak):
+   a value kept rather than recomputed adds at most its bytes to any moment of the step,
+   so the peak should rise by no more than the cap. Measured again; above ``n`` (the cut
+   at the new price is not the old one plus values), the cap is lowered by the excess,
+   never above a cap measured over, never below one measured within.
+3. Done where a step measured within ``n`` uses at least :data:`USED` of it, keeps all the
+   policy keeps without a budget, or after :data:`MAX_STEPS` measured steps (the cap of
+   the best step measured within ``n`` is kept). Then nothing is measured at that
+   signature until a step runs region calls its plans did not have (a block run once more,
+   one skipped before: the whole-model budget prices that step again): the steps after it
+   are measured again, from the cap it had. That step itself was not measured: a pattern
+   is known only once it ran.
+
+Why measured and not modelled: the eager step's peak is every tensor the program holds
+(parameters' gradients as they are made, the loss, temporaries of each op, what other
+code around the regions keeps), and a block that runs twice or is skipped is whatever the
+step does; the measurement sees all of it, a model sees what it was told. The cost: the
+calibration steps (at most :data:`MAX_STEPS` per signature) run under the measurement (on
+the CPU the profiler, which adds time, never bytes; on an accelerator its peak statistic,
+reset at the step's start), and the first recomputes all it may. A user's own CPU profiler
+running at a calibration step's start: that step is not measured (the CPU measurement is a
+profiler; it cannot nest), a note says so.
+
+This module decides; :mod:`sac_compile.regions` marks the step's start and end (the
+model's forward pre-hook, the end of the backward) and applies the cap.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+from .model import ModelBudget
+from .values import PeakBudget
+
+__all__ = ["StepPeak", "MAX_STEPS", "USED"]
+
+MAX_STEPS = 6   # measured steps per signature at most
+USED = 0.9      # done once a step within the budget uses this much of it
+
+log = logging.getLogger("sac_compile")
+
+
+@dataclasses.dataclass
+class _Fit:
+    """What the measured steps at one signature found."""
+
+    cap: int = 0                  # the kept-byte cap the regions get (0: their least)
+    tries: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    #                             (cap, bytes kept, measured peak) per measured step
+    done: bool = False
+
+    def within(self, n: int) -> list[tuple[int, int, int]]:
+        return [t for t in self.tries if t[2] <= n]
+
+
+class StepPeak:
+    """The controller of one ``apply_regions(..., memory_budget=PeakBudget(n))``: the
+    kept-byte cap of its :class:`ModelBudget` per step signature, from measured steps."""
+
+    def __init__(self, budget: PeakBudget, model: ModelBudget) -> None:
+        if isinstance(budget.value, float):
+            raise ValueError(
+                f"apply_regions(memory_budget={budget!r}): in eager mode a PeakBudget is "
+                f"bytes (PeakBudget('20GiB'), or an int): the step's peak is measured, and a "
+                f"fraction would need a step measured without a budget first; compiled, "
+                f"make_backend(memory_budget=PeakBudget(fraction)) takes one")
+        self.budget = budget
+        self.n = int(budget.value)
+        self.model = model
+        model.step_peak = budget  # the cap is this controller's: at 0, the regions' least
+        self.fits: dict[Any, _Fit] = {}
+        self.signature: Any = None
+        self.step = 0                 # steps begun
+        self._measuring: contextlib.ExitStack | None = None
+        self._measured: Any = None    # the MeasuredPeak of the step being measured
+        self._kept: int | None = None  # its regions' kept bytes, once its backward ended
+        self.notes: list[str] = []
+
+    # -- the step's start and end (sac_compile.regions) ------------------------------------
+
+    def begin(self, signature: Any, device: Any) -> int:
+        """A step starts at ``signature`` on ``device``: the last step's measurement is
+        read (and the cap at its signature decided), then the kept-byte cap this step's
+        regions get; measured if its signature is still being fitted. Raises
+        :class:`BudgetUnreachableError` where the last step, at the least the regions
+        keep, measured above the budget."""
+        self._finish()
+        self.step += 1
+        self.signature = signature
+        fit = self.fits.setdefault(signature, _Fit())
+        if not fit.done:
+            self._start(device)
+        return fit.cap
+
+    def reopen(self) -> None:
+        """The step that ended was priced again (a pattern of calls its plans did not
+        have: a block run once more, one skipped before): its signature is measured again
+        from its cap, as in calibration."""
+        fit = self.fits.get(self.signature)
+        if fit is not None and fit.done:
+            fit.done, fit.tries = False, []
+            self.notes.append(f"{self.budget.label()}: step {self.step} ran calls its plans "
+                              f"did not have; the next steps are measured again")
+
+    def measuring(self) -> bool:
+        """Whether the step begun is measured (its backward's end must be reported)."""
+        return self._measured is not None and self._kept is None
+
+    def end(self, kept: int) -> None:
+        """The step's backward is over, its regions kept ``kept`` bytes: the measurement
+        marks the step's end (what follows, an optimizer step, is not the step's). The
+        measurement stops at the next step's start: stopped inside the backward, the CPU
+        profiler would be switched back on by the autograd engine as it leaves the
+        backward (it restores the thread's state it began with)."""
+        if self._measured is not None and self._kept is None:
+            self._kept = kept
+            self._measured.mark("after the step")
+
+    def _finish(self) -> None:
+        """Stop measuring; a step whose backward ended is decided on."""
+        m, kept, signature = self._measured, self._kept, self.signature
+        self._stop()
+        if m is not None and kept is not None:
+            self._decide(self.fits[signature], kept, m.peak("step"))
+
+    def unconstrained(self) -> int:
+        """What the regions keep without a budget, as far as the last price knows."""
+        with self.model.lock:
+            return sum(self.model.unconstrained.values())
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def _decide(self, fit: _Fit, kept: int, peak: int) -> None:
+        n = self.n
+        fit.tries.append((fit.cap, kept, peak))
+        label = self.budget.label()
+        if peak > n and fit.cap == 0:
+            floor = [t[2] for t in fit.tries if t[0] == 0]
+            if len(floor) >= 2:
+                raise self._unreachable(kept, min(floor))
+            # a signature's first step also makes what a process does once (lazily built
+            # buffers, caches): measured again before the budget is called out of reach
+            self.notes.append(f"{label} (eager, measured): step {self.step} measured "
+                              f"{peak:,} B keeping the least, {kept:,} B; measured again")
+            return
+        within = fit.within(n)
+        best = max(within, key=lambda t: t[1]) if within else None
+        over = [t[1] for t in fit.tries if t[2] > n]
+        if peak > n:
+            log.warning("sac_compile: %s: step %d measured %s B at a kept-byte cap of %s B "
+                        "(above the budget by %s B); the cap is lowered", label, self.step,
+                        f"{peak:,}", f"{fit.cap:,}", f"{peak - n:,}")
+            lowered = max(kept - (peak - n), 0)
+            fit.cap = max(lowered, best[0]) if best else lowered
+            if best is not None and fit.cap == best[0]:
+                fit.done = True  # back to the best step measured within the budget
+        else:
+            full = kept >= self.unconstrained() > 0
+            if peak >= USED * n or full or len(fit.tries) >= MAX_STEPS:
+                fit.done = True
+            else:
+                raised = kept + (n - peak)
+                if over:  # never to a cap a step measured over: halfway to it
+                    raised = min(raised, (kept + min(over)) // 2)
+                if raised <= fit.cap:
+                    fit.done = True
+                else:
+                    fit.cap = raised
+        if len(fit.tries) >= MAX_STEPS and not fit.done:
+            fit.cap, fit.done = (best[0] if best else 0), True
+        tries = "; ".join(f"{p:,} B keeping {k:,} B" for _, k, p in fit.tries)
+        state = (f"done: each step keeps at most {fit.cap:,} B" if fit.done else
+                 f"next step's cap {fit.cap:,} B")
+        self.notes.append(f"{label} (eager, measured): steps measured {tries}; {state}")
+
+    def _unreachable(self, kept: int, peak: int) -> Exception:
+        from .unreachable import unreachable_error
+        return unreachable_error(
+            f"{self.budget.label()} for the step of apply_regions",
+            f"measured, a step with its regions keeping the least they can ({kept:,} B: "
+            f"everything the policy lets be recomputed is) peaked at {peak:,} B",
+            ["recompute more (a policy whose MUST_SAVE decisions are PREFER_SAVE: "
+             "policies.relaxed(policy)), or make the step smaller (batch, sequence)"],
+            budget=self.budget, least=peak, unconstrained=max(peak, self.unconstrained()),
+            note="the peak counts every tensor the step allocates, gradients included")
+
+    def close(self) -> None:
+        """Stop a measurement left running (a calibration step whose model is not called
+        again); the step is not decided on."""
+        self._stop()
+
+    def __del__(self) -> None:  # the model dropped mid-calibration: no profiler left on
+        try:
+            self._stop()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone
+            pass
+
+    # -- measuring --------------------------------------------------------------------------
+
+    def _start(self, device: Any) -> None:
+        from ..measured_peak import measured_peak
+        from ..torch_internals import profiler_enabled
+        if getattr(device, "type", "cpu") == "cpu" and profiler_enabled():
+            self.notes.append(f"{self.budget.label()}: step {self.step} not measured (a "
+                              f"profiler is running, and the CPU measurement is one)")
+            return
+        stack = contextlib.ExitStack()
+        self._measured = stack.enter_context(measured_peak(device))
+        self._measuring = stack
+
+    def _stop(self) -> None:
+        stack, self._measuring = self._measuring, None
+        self._measured, self._kept = None, None
+        if stack is not None:
+            stack.close()
+

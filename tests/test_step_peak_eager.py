@@ -1,0 +1,211 @@
+"""``apply_regions(model, policy, where=Block, memory_budget=PeakBudget(n))`` in eager mode
+(``budgets/step_peak.py``): the step's peak is measured (the CPU allocator's events,
+gradients included) and the regions' kept-byte cap is set from it, so after a few
+calibration steps every step measures within ``n``: issue 17's stack (6 blocks, relaxed
+save_matmuls), traversed once and twice, a block skipped on some steps, two batch sizes.
+Figures are bytes and counts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sac_compile as sc
+from fixtures.stack import Block, Stack, stack_inputs
+from sac_compile import BudgetUnreachableError, PeakBudget, policies
+from sac_compile.budgets import step_peak
+from sac_compile.errors import CompiledCheckpointError
+from sac_compile.measured_peak import measured_peak
+
+RELAXED = policies.relaxed(policies.save_matmuls)
+
+
+def _controller(model):
+    (found,) = [h.__self__.controller for h in model._forward_pre_hooks.values()
+                if hasattr(getattr(h, "__self__", None), "controller")]
+    return found
+
+
+def _stack(budget=None, traversals=1, policy=RELAXED):
+    model = Stack(6, checkpoint="none", traversals=traversals)
+    return sc.apply_regions(model, policy, where=Block, memory_budget=budget)
+
+
+def _measured_step(model, x):
+    for p in [*model.parameters(), x]:
+        p.grad = None
+    with measured_peak() as m:
+        model(x).backward()
+    return m.bytes
+
+
+def _bounds(traversals=1):
+    """(least, no budget): the step's measured peak recomputing all the policy lets be
+    recomputed, and keeping all it keeps."""
+    x = stack_inputs(traversals)
+    out = []
+    for policy in ("recompute_all", RELAXED):
+        model = _stack(traversals=traversals, policy=policy)
+        model(x).backward()
+        out.append(_measured_step(model, x))
+    return out
+
+
+def _calibrated(model, x, steps=step_peak.MAX_STEPS + 1):
+    """Steps until the controller measures no more (at most ``steps``): how many."""
+    ctrl = _controller(model)
+    for i in range(steps):
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        model(x).backward()
+        if ctrl.fits and all(f.done for f in ctrl.fits.values()):
+            model(x)  # (the last calibration step is read at the next call)
+            return i + 1
+    raise AssertionError(f"still calibrating after {steps} steps: {ctrl.notes}")
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    return _bounds()
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.9])
+def test_measured_step_peak_within_the_budget_and_gradients_exact(bounds, where):
+    """Three budgets between the least measured peak and no budget's: after calibration
+    every step measures at most ``n`` and at least 85% of it, with no checkpointing's
+    gradients."""
+    least, free = bounds
+    n = least + int(where * (free - least))
+    x = stack_inputs()
+    model = _stack(PeakBudget(n))
+    assert _calibrated(model, x) <= step_peak.MAX_STEPS
+    peaks = [_measured_step(model, x) for _ in range(2)]
+    assert all(0.85 * n <= p <= n for p in peaks), (n, peaks, _controller(model).notes)
+    grads = [p.grad.clone() for p in model.parameters()]
+    plain = Stack(6, checkpoint="none")
+    plain(x).backward()
+    for g, p in zip(grads, plain.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_step_keeps_the_least_and_later_steps_what_the_budget_allows(bounds):
+    """Step 1 recomputes all it may (its peak the least); the cap rises by what a step
+    left unused; the notes list every measured step."""
+    least, free = bounds
+    n = (least + free) // 2
+    x = stack_inputs()
+    model = _stack(PeakBudget(n))
+    _calibrated(model, x)
+    (fit,) = _controller(model).fits.values()
+    assert fit.tries[0][:2] == (0, 0) and abs(fit.tries[0][2] - least) <= 16
+    # each within the budget, so each cap above the last: the kept bytes never fall
+    assert all(p <= n for _, _, p in fit.tries)
+    assert all(c2 > c1 and k2 >= k1 for (c1, k1, _), (c2, k2, _)
+               in zip(fit.tries, fit.tries[1:])), fit.tries
+    assert fit.tries[-1][1] > 0
+    assert _controller(model).notes[-1].startswith(f"peak {sc.budgets.budget_label(n)}")
+
+
+def test_a_stack_traversed_twice_holds_the_budget():
+    """Every block runs twice per step (two inputs): the kept-byte cap counts each call,
+    the measured step holds ``n``."""
+    least, free = _bounds(traversals=2)
+    n = (least + free) // 2
+    x = stack_inputs(2)
+    model = _stack(PeakBudget(n), traversals=2)
+    _calibrated(model, x)
+    peak = _measured_step(model, x)
+    assert 0.85 * n <= peak <= n, (n, peak)
+
+
+class _Skipping(torch.nn.Module):
+    """Issue 17's stack whose last block runs only when ``self.all_blocks``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = Stack(6, checkpoint="none")
+        self.all_blocks = False
+
+    def forward(self, x):
+        blocks = self.stack.blocks if self.all_blocks else self.stack.blocks[:-1]
+        for block in blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_a_block_skipped_on_the_first_steps_then_run_holds_the_budget(bounds):
+    """Calibrated with a block skipped, then the block runs: that step is another pattern
+    of calls, priced again when it ends; the steps after it are measured again, and hold
+    ``n``."""
+    least, free = bounds
+    n = (least + free) // 2
+    x = stack_inputs()
+    model = sc.apply_regions(_Skipping(), RELAXED, where=Block, memory_budget=PeakBudget(n))
+    _calibrated(model, x)
+    model.all_blocks = True
+    ctrl = _controller(model)
+    model(x).backward()  # the new pattern: priced again when it ends
+    model(x).backward()
+    assert not all(f.done for f in ctrl.fits.values()), ctrl.notes  # measured again
+    _calibrated(model, x)
+    peak = _measured_step(model, x)
+    assert peak <= n, (n, peak, ctrl.notes)
+
+
+def test_two_batch_sizes_each_fitted_on_its_own(bounds):
+    """Batch 4 and batch 2 alternate: each signature has its own cap from its own measured
+    steps; both hold ``n``."""
+    least, free = bounds
+    n = (least + free) // 2
+    model = _stack(PeakBudget(n))
+    big, small = stack_inputs(), stack_inputs()[:2].detach().requires_grad_(True)
+    for _ in range(step_peak.MAX_STEPS + 1):
+        for x in (big, small):
+            for p in [*model.parameters(), x]:
+                p.grad = None
+            model(x).backward()
+    model(big)
+    ctrl = _controller(model)
+    assert len(ctrl.fits) == 2 and all(f.done for f in ctrl.fits.values()), ctrl.notes
+    assert _measured_step(model, big) <= n
+    assert _measured_step(model, small) <= n
+
+
+def test_a_budget_below_the_least_raises_with_the_measured_least(bounds):
+    """Below what a step recomputing all it may measures, twice (a first step also
+    allocates what the program makes once): BudgetUnreachableError at the next call,
+    proposing the least measured peak."""
+    least, _ = bounds
+    x = stack_inputs()
+    model = _stack(PeakBudget(least // 2))
+    for _ in range(2):
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        model(x).backward()
+    with pytest.raises(BudgetUnreachableError) as e:
+        model(x)
+    assert abs(e.value.least_bytes - least) <= 16
+    assert isinstance(e.value.proposed_budget, PeakBudget)
+    assert e.value.proposed_budget.value >= e.value.least_bytes
+    assert f"{e.value.least_bytes:,} B" in str(e.value) and "measured" in str(e.value)
+
+
+def test_a_fraction_is_refused_in_eager_mode():
+    with pytest.raises(ValueError, match="PeakBudget.*bytes"):
+        _stack(PeakBudget(0.5))
+
+
+def test_compiled_regions_with_an_eager_peak_budget_are_a_clear_error():
+    """The regions' budget is measured per eager step; compiled, the error names the
+    backend's PeakBudget as the fix (never a kept-byte cap of 0 silently)."""
+    from sac_compile.compiler import make_backend
+    torch._dynamo.reset()
+    model = _stack(PeakBudget(2_000_000))
+    fn = torch.compile(model, backend=make_backend(compiler="aot_eager"))
+    with pytest.raises(Exception) as e:
+        fn(stack_inputs()).backward()
+    err = e.value
+    while err is not None and not isinstance(err, CompiledCheckpointError):
+        err = err.__cause__
+    assert err is not None, e.value
+    assert "make_backend(memory_budget=PeakBudget" in str(err) and "blocks.0" in str(err)
