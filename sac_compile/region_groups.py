@@ -260,13 +260,17 @@ def rekey(model: Any) -> None:
                   and g.budget.kind in kinds and g.slots]
         for group in groups:
             token = "sac:" + hashlib.sha256(
-                f"{group.token}|price={model.kind_share}".encode()).hexdigest()[:20]
+                f"{group.token}|price={model.kind_share}|cap={model.nbytes}".encode()
+            ).hexdigest()[:20]
             _GROUPS[token] = group  # (the old token still finds it, for graphs that hold it)
             group.token = token
             for slot in group.slots:
                 slot.token = token
         model.recompiled(len(groups))
-        _allow_recompiles()
+        # each new token is a new cache entry of the regions' shared forward code, beside
+        # the old ones (Dynamo keeps them): room for two more per group (a first block
+        # whose input needs no gradient compiles a graph of its own)
+        _allow_recompiles(extra=2 * model.recompiles)
     if groups:
         log.info("sac_compile: whole-model memory budget %r: %d kinds of block compiled "
                  "once more, at their shares (%s): %s", model, len(groups),
@@ -278,13 +282,13 @@ def rekey(model: Any) -> None:
 _RAISED = [False]
 
 
-def _allow_recompiles() -> None:
+def _allow_recompiles(extra: int = 0) -> None:
     """Dynamo compiles a block's code once per group its instances are in; keep its
     recompile limit above the number of groups (the caller holds ``_LOCK``)."""
     config, attr, total = dynamo_recompile_limits()
     limit = getattr(config, attr)
     live = sum(1 for group in list(_GROUPS.values()) if group.slots)
-    needed = live + 1
+    needed = live + 1 + extra
     if needed > limit:
         setattr(config, attr, needed)
         if hasattr(config, total) and getattr(config, total) < needed:

@@ -354,6 +354,7 @@ class MeasuredSteps:
         self._prices = 0  # prices the whole-model budget had found after the last start
         self._patterns: dict = {}  # step signature -> its region calls (the last step's)
         self._solved: dict = {}    # step signature -> the cap its plans were priced at
+        self._compiles = 0         # graphs of its blocks compiled before this step
 
     def __copy__(self) -> MeasuredSteps:  # copies of the model share the budget
         return self
@@ -381,6 +382,8 @@ class MeasuredSteps:
                 self._solved[last] = model.nbytes  # at its cap: a pattern its plans lacked
                 controller.reopen()
         cap = controller.begin(signature, device)
+        self._compiles = model.compiles
+        changed = cap != model.nbytes
         if self._solved.get(signature) != cap:  # this signature's plans: of another cap
             pattern = self._patterns.get(signature)
             reprice(model, cap, pattern)
@@ -388,6 +391,10 @@ class MeasuredSteps:
                 self._solved[signature] = cap
         else:
             model.set_cap(cap)
+        if changed:  # blocks compiled one by one: compiled again at the new cap
+            with model.lock:
+                model.rekey |= set(model.kinds)
+            rekey(model)
         self._prices = len(model.notes)
         return None
 
@@ -409,7 +416,14 @@ class MeasuredSteps:
     def _ended(self, step: int) -> None:
         from .runtime.model_budget import step_kept
         if self.controller.step == step:
-            self.controller.end(step_kept(self.controller.model))
+            model = self.controller.model
+            kept = step_kept(model)
+            with model.lock:
+                ran = sum(model.graph_runs.values())  # blocks compiled one by one ran
+                if not kept and ran:  # what their splits keep (each block's share)
+                    kept = sum(model.shares.values())
+                compiled = model.compiles != self._compiles
+            self.controller.end(kept, compiled=compiled)
 
 
 from .checkpoint_call import checkpoint  # noqa: E402  (it reads _region_name from here)

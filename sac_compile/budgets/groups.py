@@ -150,14 +150,6 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         for region_id, name, budget in graph_meta.region_budgets(v):
             assert isinstance(budget, RegionBudget)
             model = budget.model
-            if model is not None and model.step_peak is not None:
-                raise CompiledCheckpointError(
-                    f"region {name!r}: apply_regions(memory_budget={model.step_peak!r}) is "
-                    f"held by measuring eager steps, and this region is being compiled. "
-                    f"Compiled, give the peak budget to the backend: apply_regions(model, "
-                    f"policy, where=...) without a memory_budget, and torch.compile(model, "
-                    f"backend=make_backend(memory_budget={model.step_peak!r})) (the model "
-                    f"compiled whole: its step is measured at compile time)")
             key = ("model", id(model)) if model is not None else ("region", region_id)
             if key not in groups:
                 label = (f"memory_budget={budget_label(model.nbytes)} for the whole model "
@@ -174,6 +166,18 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         # from the blocks' kinds and the price over them (kinds.py).
         group.partial = group.model is not None and bool(set(group.model.members) -
                                                          names[key])
+        peak = group.model.step_peak if group.model is not None else None
+        if peak is not None and not group.partial:
+            # (blocks compiled one by one run under the model's eager hooks, which measure
+            # the step; a graph holding every block runs them traced: nothing would)
+            raise CompiledCheckpointError(
+                f"regions {', '.join(sorted(names[key])[:3])}: apply_regions(memory_budget="
+                f"{peak!r}) is held by measuring eager steps, and the whole model is being "
+                f"compiled as one graph, whose steps nothing measures. Give the peak budget "
+                f"to the backend instead: apply_regions(model, policy, where=...) without a "
+                f"memory_budget, and torch.compile(model, backend=make_backend("
+                f"memory_budget={peak!r})) (its step is measured at compile time); or "
+                f"compile the blocks one by one (block.compile(...)), which this budget holds")
     return list(groups.values())
 
 
@@ -248,6 +252,12 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         low = cut_at(net, problem, w_min, solver, edges)
         least = group_bytes(low.kept, low.w, low.recomputed, members)
         cap = group.cap(least, most)
+        stepped = group.model is not None and group.model.step_peak is not None
+        if stepped and least > cap:  # a measured step's cap: below the least, the least
+            extra.append(f"{group.label}: the least these blocks can keep, "
+                         f"{fmt_bytes(least)}, is above the cap {fmt_bytes(cap)} the measured "
+                         f"steps of {group.model.step_peak.label()} set; they keep it")
+            cap = least
         if even and least > cap:  # the even split before the price: what it can
             extra.append(f"{group.label}: the least these blocks can keep, "
                          f"{fmt_bytes(least)}, is above the even split "

@@ -61,6 +61,7 @@ class ModelBudget:
         # The PeakBudget of a step-peak controller (.step_peak), whose cap this is: below the
         # least the regions keep they keep their least (no error: the step is measured).
         self.step_peak: Any = None
+        self.compiles = 0  # graphs holding some of its blocks compiled (budget_runs.counted)
         self.notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -106,6 +107,12 @@ class ModelBudget:
                 self.kind_share = found
                 self.kind_nets = {}  # (the networks hold their graphs)
                 self.rekey |= {k for k in self.provisional if abs(found[k] - even) >= 1}
+
+    def compiled_graph(self) -> None:
+        """A graph holding some of its blocks was compiled (a step that compiles is not
+        one a step-peak controller measures: compiling allocates what a step does not)."""
+        with self.lock:
+            self.compiles += 1
 
     def count_runs(self, kind: str, calls: int) -> None:
         """A compiled graph ran, holding ``calls`` region calls of ``kind``."""

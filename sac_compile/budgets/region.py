@@ -85,6 +85,8 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
         text += f"|model of {len(model.members)}|kind={budget.kind}|share={share}"
         if model.calls:  # a step runs some blocks more than once: a smaller even split
             text += f"|calls={sorted(model.calls.items())!r}"
+        if model.step_peak is not None:  # the cap measured steps set (budgets/step_peak.py)
+            text += f"|cap={model.nbytes}"
     return text
 
 

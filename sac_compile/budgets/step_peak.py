@@ -124,21 +124,25 @@ class StepPeak:
         """Whether the step begun is measured (its backward's end must be reported)."""
         return self._measured is not None and self._kept is None
 
-    def end(self, kept: int) -> None:
+    def end(self, kept: int, *, compiled: bool = False) -> None:
         """The step's backward is over, its regions kept ``kept`` bytes: the measurement
-        marks the step's end (what follows, an optimizer step, is not the step's). The
+        marks the step's end (what follows, an optimizer step, is not the step's); a step
+        that ``compiled`` its blocks is not decided on (the next is measured). The
         measurement stops at the next step's start: stopped inside the backward, the CPU
         profiler would be switched back on by the autograd engine as it leaves the
         backward (it restores the thread's state it began with)."""
         if self._measured is not None and self._kept is None:
-            self._kept = kept
+            self._kept = -1 if compiled else kept
             self._measured.mark("after the step")
 
     def _finish(self) -> None:
         """Stop measuring; a step whose backward ended is decided on."""
         m, kept, signature = self._measured, self._kept, self.signature
         self._stop()
-        if m is not None and kept is not None:
+        if m is not None and kept is not None and kept < 0:
+            self.notes.append(f"{self.budget.label()}: step {self.step} compiled blocks "
+                              f"(not measured: compiling allocates what a step does not)")
+        elif m is not None and kept is not None:
             self._decide(self.fits[signature], kept, m.peak("step"))
 
     def unconstrained(self) -> int:

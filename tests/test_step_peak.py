@@ -1,9 +1,10 @@
-"""``apply_regions(model, policy, where=Block, memory_budget=PeakBudget(n))`` in eager mode
+"""``apply_regions(model, policy, where=Block, memory_budget=PeakBudget(n))``
 (``budgets/step_peak.py``): the step's peak is measured (the CPU allocator's events,
 gradients included) and the regions' kept-byte cap is set from it, so after a few
 calibration steps every step measures within ``n``: issue 17's stack (6 blocks, relaxed
-save_matmuls), traversed once and twice, a block skipped on some steps, two batch sizes.
-Figures are bytes and counts.
+save_matmuls) in eager mode, traversed once and twice, a block skipped on some steps, two
+batch sizes; a GPT of 8 blocks compiled one by one (torchtitan's order). Figures are bytes
+and counts.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def _bounds(traversals=1):
     return out
 
 
-def _calibrated(model, x, steps=step_peak.MAX_STEPS + 1):
-    """Steps until the controller measures no more (at most ``steps``): how many."""
+def _calibrated(model, x, steps=2 * step_peak.MAX_STEPS + 2):
+    """Steps until the controller measures no more (at most ``steps``; steps that compile
+    are not measured): how many."""
     ctrl = _controller(model)
     for i in range(steps):
         for p in [*model.parameters(), x]:
@@ -78,7 +80,7 @@ def test_measured_step_peak_within_the_budget_and_gradients_exact(bounds, where)
     n = least + int(where * (free - least))
     x = stack_inputs()
     model = _stack(PeakBudget(n))
-    assert _calibrated(model, x) <= step_peak.MAX_STEPS
+    assert _calibrated(model, x) <= step_peak.MAX_STEPS + 1
     peaks = [_measured_step(model, x) for _ in range(2)]
     assert all(0.85 * n <= p <= n for p in peaks), (n, peaks, _controller(model).notes)
     grads = [p.grad.clone() for p in model.parameters()]
@@ -195,7 +197,7 @@ def test_a_fraction_is_refused_in_eager_mode():
         _stack(PeakBudget(0.5))
 
 
-def test_compiled_regions_with_an_eager_peak_budget_are_a_clear_error():
+def test_a_model_compiled_whole_with_an_eager_peak_budget_is_a_clear_error():
     """The regions' budget is measured per eager step; compiled, the error names the
     backend's PeakBudget as the fix (never a kept-byte cap of 0 silently)."""
     from sac_compile.compiler import make_backend
@@ -209,3 +211,61 @@ def test_compiled_regions_with_an_eager_peak_budget_are_a_clear_error():
         err = err.__cause__
     assert err is not None, e.value
     assert "make_backend(memory_budget=PeakBudget" in str(err) and "blocks.0" in str(err)
+    assert "one by one" in str(err)
+
+
+def test_blocks_compiled_one_by_one_hold_one_budget_for_the_step():
+    """8 identical GPT blocks, each ``block.compile(fullgraph=True)`` (torchtitan's order),
+    one PeakBudget over the step: each cap the measured steps set compiles the blocks once
+    more (steps that compile are not measured); then every step measures within ``n`` and
+    uses at least 85% of it, with no checkpointing's gradients."""
+    import copy
+
+    from sac_compile._bench.models import GPT, GPTBlock
+    from sac_compile.compiler import make_backend
+
+    def step_peak_of(model, x):
+        for p in model.parameters():
+            p.grad = None
+        with measured_peak() as m:
+            model(x).pow(2).sum().backward()
+        return m.bytes
+
+    def built(policy, budget=None):
+        torch.manual_seed(0)
+        model = GPT(64, 4, 8, 64, dropout=0.0)
+        reference = copy.deepcopy(model)
+        sc.apply_regions(model, policy, where=GPTBlock, memory_budget=budget)
+        backend = make_backend(compiler="aot_eager")
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=True)
+        return reference, model
+
+    x = torch.randn(4, 64, 64)
+    bounds = []
+    for policy in ("recompute_all", RELAXED):
+        torch._dynamo.reset()
+        _, model = built(policy)
+        model(x).pow(2).sum().backward()
+        bounds.append(step_peak_of(model, x))
+    least, free = bounds
+    n = (least + free) // 2
+    torch._dynamo.reset()
+    reference, model = built(RELAXED, PeakBudget(n))
+    ctrl = _controller(model)
+    for steps in range(1, 2 * step_peak.MAX_STEPS + 3):
+        for p in model.parameters():
+            p.grad = None
+        model(x).pow(2).sum().backward()
+        if all(f.done for f in ctrl.fits.values()):
+            break
+    model(x)
+    peaks = [step_peak_of(model, x) for _ in range(2)]
+    assert all(0.85 * n <= p <= n for p in peaks), (n, peaks, ctrl.notes)
+    assert sum(1 for note in ctrl.notes if "compiled blocks" in note) >= 1
+    budget = model.blocks[0]._sac_regions[0].frame.budget.model
+    assert 1 <= budget.recompiles <= 2 * step_peak.MAX_STEPS
+    grads = [p.grad.clone() for p in model.parameters()]
+    reference(x).pow(2).sum().backward()
+    for g, p in zip(grads, reference.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
