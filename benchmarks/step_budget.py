@@ -17,7 +17,13 @@ graphs), recompute FLOPs, kept bytes (MiB), gradient error against no checkpoint
 printed per torch point: ours / torch, peak and FLOPs. ``--plot`` writes
 ``benchmarks/out/step_pareto.png`` when matplotlib is installed.
 
-    python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor]
+``--compiler eager``: our eager regions instead (``apply_regions(...,
+memory_budget=PeakBudget(n))``, held by measuring its first steps,
+``sac_compile.budgets.step_peak``): no budget, ``recompute_all`` (full AC, ours), then
+PeakBudget at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's, the
+FLOPs column then the ops the backward replayed.
+
+    python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor|eager]
         [--size bench] [--json out.json] [--plot]
 """
 from __future__ import annotations
@@ -32,7 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sac_compile import PeakBudget  # noqa: E402
-from sac_compile._bench.step_budget import StepPoint, reference_step, run_step  # noqa: E402
+from sac_compile import policies  # noqa: E402
+from sac_compile._bench.step_budget import (StepPoint, reference_step, run_eager_step,  # noqa: E402
+                                            run_step)
 
 OUT = Path(__file__).resolve().parent / "out"
 TORCH_BUDGETS = (1.0, 0.7, 0.5, 0.3)
@@ -81,6 +89,35 @@ def sweep(model: str, size: str, compiler: str) -> list[tuple[str, StepPoint, St
     return out
 
 
+def eager_sweep(model: str, size: str) -> list[tuple[str, StepPoint, StepPoint | None]]:
+    """Ours in eager mode: no budget, full AC (``recompute_all``), and PeakBudget at three
+    measured peaks between them (the replayed ops in the FLOPs column)."""
+    ref = reference_step(model, size)
+    relaxed = policies.relaxed(policies.save_matmuls)
+
+    def show(label: str, p: StepPoint) -> StepPoint:
+        p.flops = p.replayed  # (ops, not FLOPs: eager counts the ops it replays)
+        print(row(model, label, p) + (f"  after {p.steps} steps" if p.steps else ""),
+              flush=True)
+        return p
+
+    free = show("ours eager, no budget", run_eager_step(model, size, relaxed, reference=ref))
+    full = show("ours eager recompute_all (full AC)",
+                run_eager_step(model, size, policies.recompute_all, reference=ref))
+    out = [("ours eager, no budget", free, None), ("full AC", full, None)]
+    if free.measured is None or full.measured is None:
+        return out
+    for f in (0.0, 0.5, 0.9):
+        n = full.measured + int(f * (free.measured - full.measured))
+        mine = show(f"  ours eager, PeakBudget({n})",
+                    run_eager_step(model, size, relaxed, budget=PeakBudget(n), reference=ref))
+        if mine.measured is not None:
+            print(f"{'':6s}   measured / budget {mine.measured / n:.3f}; ops replayed / full "
+                  f"AC's {mine.replayed / max(full.replayed or 1, 1):.2f}", flush=True)
+        out.append((f"PeakBudget({n})", full, mine))
+    return out
+
+
 def plot(rows: dict[str, list], path: Path) -> None:
     try:
         import matplotlib
@@ -126,7 +163,8 @@ def main() -> None:
     print(f"size {args.size}, {args.compiler}, CPU allocator via torch.profiler; MiB, GFLOPs")
     print(f"{'model':6s} {'strategy':34s} {'measured':>8s} {'modelled':>8s} {'GFLOPs':>6s} "
           f"{'kept':>8s} {'grad':>6s}")
-    rows = {m: sweep(m, args.size, args.compiler) for m in args.models.split(",")}
+    rows = {m: eager_sweep(m, args.size) if args.compiler == "eager" else
+            sweep(m, args.size, args.compiler) for m in args.models.split(",")}
     if args.json:
         Path(args.json).write_text(json.dumps(
             {m: [(lbl, dataclasses.asdict(t), m2 and dataclasses.asdict(m2))

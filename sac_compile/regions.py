@@ -340,6 +340,17 @@ class BudgetStep:
         return None
 
 
+def step_peak_of(model: nn.Module) -> StepPeak | None:
+    """The controller of ``apply_regions(model, ..., memory_budget=PeakBudget(n))``: its
+    ``fits`` (per step signature: the cap, the measured steps, whether done) and ``notes``;
+    None without one."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, MeasuredSteps):
+            return owner.controller
+    return None
+
+
 class MeasuredSteps:
     """The hooks of ``apply_regions(..., memory_budget=PeakBudget(n))`` in eager mode: a
     call of the model starts a step (after :class:`BudgetStep`, which prices the last one),

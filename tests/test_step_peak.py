@@ -17,13 +17,14 @@ from sac_compile import BudgetUnreachableError, PeakBudget, policies
 from sac_compile.budgets import step_peak
 from sac_compile.errors import CompiledCheckpointError
 from sac_compile.measured_peak import measured_peak
+from sac_compile.regions import step_peak_of
 
 RELAXED = policies.relaxed(policies.save_matmuls)
 
 
 def _controller(model):
-    (found,) = [h.__self__.controller for h in model._forward_pre_hooks.values()
-                if hasattr(getattr(h, "__self__", None), "controller")]
+    found = step_peak_of(model)
+    assert found is not None
     return found
 
 
@@ -269,3 +270,97 @@ def test_blocks_compiled_one_by_one_hold_one_budget_for_the_step():
     reference(x).pow(2).sum().backward()
     for g, p in zip(grads, reference.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+CACHE_SCRIPT = """
+import json, sys, torch
+import sac_compile as sc
+from sac_compile import PeakBudget, policies
+from sac_compile.budgets.step_peak import MAX_STEPS
+from sac_compile.compiler import make_backend
+from sac_compile.measured_peak import measured_peak
+from torch._dynamo.utils import counters
+
+mode, n = sys.argv[1].split(":")
+n = int(n)
+relaxed = policies.relaxed(policies.save_matmuls)
+if mode == "whole":  # the backend's PeakBudget, Inductor, the model compiled whole
+    from fixtures.stack import Stack, stack_inputs
+    model, x = Stack(6, policy=relaxed), stack_inputs()
+    fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(n)))
+    loss, steps = (lambda: fn(x)), 1
+else:  # apply_regions' PeakBudget, blocks compiled one by one by Inductor
+    from sac_compile._bench.models import GPT, GPTBlock
+    torch.manual_seed(0)
+    model = GPT(64, 4, 4, 64, dropout=0.0)
+    sc.apply_regions(model, relaxed, where=GPTBlock, memory_budget=PeakBudget(n))
+    for block in model.blocks:
+        block.compile(backend=sc.sac_backend, fullgraph=True)
+    x = torch.randn(4, 64, 64)
+    loss, steps = (lambda: model(x).pow(2).sum()), 2 * MAX_STEPS + 2
+for _ in range(steps):
+    for p in model.parameters():
+        p.grad = None
+    loss().backward()
+loss()  # (the last calibration step is read at the next call)
+for p in model.parameters():
+    p.grad = None
+with measured_peak() as m:
+    loss().backward()
+print(json.dumps({"measured": m.bytes,
+                  "fx_hit": counters["inductor"].get("fxgraph_cache_hit", 0),
+                  "aot_hit": counters["aot_autograd"].get("autograd_cache_hit", 0)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,loose,tight", [("whole", 2_300_000, 1_900_000),
+                                              ("blocks", 4_500_000, 3_600_000)])
+def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
+        tmp_path, mode, loose, tight):
+    """Around the region: processes sharing Inductor's caches. The same PeakBudget again
+    measures what the first process measured (its compiled code served from the FX graph
+    cache); a tighter one measures within its own cap (a split served for the looser cap
+    would not). ``whole``: the backend's PeakBudget on issue 17's stack compiled whole;
+    ``blocks``: apply_regions' PeakBudget over GPT blocks compiled one by one."""
+    from fixtures.cache_process import run_with_cache
+    cold = run_with_cache(CACHE_SCRIPT, f"{mode}:{loose}", tmp_path)
+    warm = run_with_cache(CACHE_SCRIPT, f"{mode}:{loose}", tmp_path)
+    tighter = run_with_cache(CACHE_SCRIPT, f"{mode}:{tight}", tmp_path)
+    assert cold["measured"] <= loose and warm["measured"] <= loose, (cold, warm)
+    assert abs(warm["measured"] - cold["measured"]) <= 16, (cold, warm)
+    assert warm["fx_hit"] >= 1, warm
+    assert tighter["measured"] <= tight, tighter
+
+
+class _Broken(torch.nn.Module):
+    """Issue 17's stack with a graph break between its third and fourth block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = Stack(6, checkpoint="none")
+
+    def forward(self, x):
+        for i, block in enumerate(self.stack.blocks):
+            if i == 3:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return x.sum()
+
+
+def test_a_model_compiled_whole_around_graph_breaks_is_a_clear_error():
+    """Compiled whole with a graph break, each graph holds some of the blocks (not a
+    graph of all), and the model's hooks are compiled too: nothing would measure a step,
+    so the first run of a graph says so (never every step silently at the least cap)."""
+    from sac_compile.compiler import make_backend
+    torch._dynamo.reset()
+    model = sc.apply_regions(_Broken(), RELAXED, where=Block,
+                             memory_budget=PeakBudget(2_000_000))
+    fn = torch.compile(model, backend=make_backend(compiler="aot_eager"))
+    with pytest.raises(Exception) as e:
+        fn(stack_inputs()).backward()
+    err = e.value
+    while err is not None and not isinstance(err, CompiledCheckpointError):
+        err = err.__cause__ or err.__context__
+    assert err is not None, e.value
+    assert "graph breaks" in str(err) and "make_backend(memory_budget=PeakBudget" in str(err)

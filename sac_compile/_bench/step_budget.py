@@ -156,7 +156,7 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
     controller measures no more, at most ``MAX_STEPS`` + 1), then one more is measured."""
     from ..budgets.step_peak import MAX_STEPS
     from ..measured_peak import measured_peak
-    from ..regions import apply_regions
+    from ..regions import apply_regions, step_peak_of
     from ..runtime import collect_stats
 
     point = StepPoint(f"ours eager {getattr(policy, '__name__', policy)}", budget)
@@ -164,8 +164,8 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
     blocks = {id(b) for b in model.blocks}
     apply_regions(model, policy, where=lambda path, m: id(m) in blocks,
                   memory_budget=budget)
-    fits = [h.__self__.controller.fits for h in model._forward_pre_hooks.values()
-            if hasattr(getattr(h, "__self__", None), "controller")]
+    controller = step_peak_of(model)
+    fits = [controller.fits] if controller is not None else []
 
     def step() -> None:
         torch.manual_seed(0)

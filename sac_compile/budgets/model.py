@@ -62,6 +62,7 @@ class ModelBudget:
         # least the regions keep they keep their least (no error: the step is measured).
         self.step_peak: Any = None
         self.compiles = 0  # graphs holding some of its blocks compiled (budget_runs.counted)
+        self.steps_begun = 0  # steps a step-peak controller began (its hooks ran eagerly)
         self.notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -115,8 +116,22 @@ class ModelBudget:
             self.compiles += 1
 
     def count_runs(self, kind: str, calls: int) -> None:
-        """A compiled graph ran, holding ``calls`` region calls of ``kind``."""
+        """A compiled graph ran, holding ``calls`` region calls of ``kind``. Under a
+        step-peak controller whose steps never began (the model's hooks were compiled
+        into a graph, as with the model compiled whole around graph breaks): a
+        :class:`~sac_compile.errors.CompiledCheckpointError`, since nothing measures."""
         with self.lock:
+            if self.step_peak is not None and not self.steps_begun:
+                from ..errors import CompiledCheckpointError
+                raise CompiledCheckpointError(
+                    f"apply_regions(memory_budget={self.step_peak!r}) is held by measuring "
+                    f"steps, marked by the model's forward hooks, and those hooks were "
+                    f"compiled with the model (its compile has graph breaks between the "
+                    f"blocks of {self.members[0]!r}...): nothing would measure a step. Give "
+                    f"the peak budget to the backend instead: apply_regions without a "
+                    f"memory_budget and torch.compile(model, backend=make_backend("
+                    f"memory_budget={self.step_peak!r})); or compile the blocks one by one "
+                    f"(block.compile(...)), which this budget holds")
             self.graph_runs[kind] += calls
 
     def count_step(self) -> set[str]:

@@ -104,6 +104,8 @@ class StepPeak:
         keep, measured above the budget."""
         self._finish()
         self.step += 1
+        with self.model.lock:
+            self.model.steps_begun += 1
         self.signature = signature
         fit = self.fits.setdefault(signature, _Fit())
         if not fit.done:
@@ -117,8 +119,8 @@ class StepPeak:
         fit = self.fits.get(self.signature)
         if fit is not None and fit.done:
             fit.done, fit.tries = False, []
-            self.notes.append(f"{self.budget.label()}: step {self.step} ran calls its plans "
-                              f"did not have; the next steps are measured again")
+            self._note(f"{self.budget.label()}: step {self.step} ran calls its plans did "
+                       f"not have; the next steps are measured again")
 
     def measuring(self) -> bool:
         """Whether the step begun is measured (its backward's end must be reported)."""
@@ -140,8 +142,8 @@ class StepPeak:
         m, kept, signature = self._measured, self._kept, self.signature
         self._stop()
         if m is not None and kept is not None and kept < 0:
-            self.notes.append(f"{self.budget.label()}: step {self.step} compiled blocks "
-                              f"(not measured: compiling allocates what a step does not)")
+            self._note(f"{self.budget.label()}: step {self.step} compiled blocks (not "
+                       f"measured: compiling allocates what a step does not)")
         elif m is not None and kept is not None:
             self._decide(self.fits[signature], kept, m.peak("step"))
 
@@ -149,6 +151,10 @@ class StepPeak:
         """What the regions keep without a budget, as far as the last price knows."""
         with self.model.lock:
             return sum(self.model.unconstrained.values())
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+        log.info("sac_compile: %s", text)
 
     # -- deciding ---------------------------------------------------------------------------
 
@@ -162,8 +168,8 @@ class StepPeak:
                 raise self._unreachable(kept, min(floor))
             # a signature's first step also makes what a process does once (lazily built
             # buffers, caches): measured again before the budget is called out of reach
-            self.notes.append(f"{label} (eager, measured): step {self.step} measured "
-                              f"{peak:,} B keeping the least, {kept:,} B; measured again")
+            self._note(f"{label} (measured steps): step {self.step} measured {peak:,} B "
+                       f"keeping the least, {kept:,} B; measured again")
             return
         within = fit.within(n)
         best = max(within, key=lambda t: t[1]) if within else None
@@ -193,7 +199,7 @@ class StepPeak:
         tries = "; ".join(f"{p:,} B keeping {k:,} B" for _, k, p in fit.tries)
         state = (f"done: each step keeps at most {fit.cap:,} B" if fit.done else
                  f"next step's cap {fit.cap:,} B")
-        self.notes.append(f"{label} (eager, measured): steps measured {tries}; {state}")
+        self._note(f"{label} (measured steps): steps measured {tries}; {state}")
 
     def _unreachable(self, kept: int, peak: int) -> Exception:
         from .unreachable import unreachable_error
@@ -223,8 +229,8 @@ class StepPeak:
         from ..measured_peak import measured_peak
         from ..torch_internals import profiler_enabled
         if getattr(device, "type", "cpu") == "cpu" and profiler_enabled():
-            self.notes.append(f"{self.budget.label()}: step {self.step} not measured (a "
-                              f"profiler is running, and the CPU measurement is one)")
+            self._note(f"{self.budget.label()}: step {self.step} not measured (a profiler "
+                       f"is running, and the CPU measurement is one)")
             return
         stack = contextlib.ExitStack()
         self._measured = stack.enter_context(measured_peak(device))
