@@ -18,10 +18,10 @@ from . import runtime
 from .module_regions import RegionConfig, wrap_module
 from .budgets import ModelBudget, PeakBudget, RegionBudget, module_kind, region_budget
 from .budgets.step_peak import StepPeak
-from .region_groups import frame_in_group, rekey
+from .region_steps import BudgetStep, MeasuredSteps, step_peak_of  # noqa: F401 (public here)
+from .region_groups import frame_in_group
 from .region_names import _check_target, _region_name
 from .region_run import run_region
-from .torch_internals import pytree, queue_backward_callback
 from .policy import (CheckpointError, CheckpointPolicy, Opinion, PolicyLike, RegionFrame,
                      SaveWithHooks, _is_numpy_bool, coerce_opinion, foreign_tensor_message,
                      normalize_policy)
@@ -298,143 +298,6 @@ def _redecide(what: str, tensor: torch.Tensor, *, tag: Opinion | None = None,
         return
     if not recorder.redecide(tensor, tag=tag, label=label):
         raise CheckpointError(foreign_tensor_message(what, recorder.frames[-1].name))
-
-
-class BudgetStep:
-    """A forward pre-hook on the model of a whole-model budget (``apply_regions``): a call
-    of the model is a new step, and the budget caps what a step's region calls keep.
-
-    * Eager: the step that ended is priced if a call of it was not at a plan
-      (:func:`sac_compile.runtime.model_budget.end_step`).
-    * Blocks compiled one by one: their graphs' runs were counted
-      (:mod:`sac_compile.compiler.budget_runs`); kinds that ran more calls than the split
-      assumed are compiled again (:meth:`sac_compile.budgets.ModelBudget.count_step`). Blocks of
-      several kinds arrive one kind at a time, each first compiled at the even split; once
-      every kind was compiled the price is known. Either way the kinds whose split changes
-      get new tokens here, at the start of a step - never within one, which would mix two
-      splits - and Dynamo compiles each once more (logged, counted in
-      ``ModelBudget.recompiles``).
-
-    Under a compile of the whole model the hook is traced and does nothing: one graph
-    holds every call of the step, under one cap."""
-
-    def __init__(self, budget: Any) -> None:
-        self.budget = budget
-
-    # A copy of the model shares the budget, as its regions' RegionBudgets do.
-    def __copy__(self) -> BudgetStep:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> BudgetStep:
-        return self
-
-    def __call__(self, module: Any, args: Any) -> None:
-        if torch.compiler.is_compiling():  # the model compiled whole: one graph, no kinds
-            return None
-        from .runtime.model_budget import end_step
-        budget = self.budget
-        end_step(budget)
-        budget.count_step()
-        if budget.rekey:
-            rekey(budget)
-        return None
-
-
-def step_peak_of(model: nn.Module) -> StepPeak | None:
-    """The controller of ``apply_regions(model, ..., memory_budget=PeakBudget(n))``: its
-    ``fits`` (per step signature: the cap, the measured steps, whether done) and ``notes``;
-    None without one."""
-    for hook in model._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, MeasuredSteps):
-            return owner.controller
-    return None
-
-
-class MeasuredSteps:
-    """The hooks of ``apply_regions(..., memory_budget=PeakBudget(n))`` in eager mode: a
-    call of the model starts a step (after :class:`BudgetStep`, which prices the last one),
-    whose kept-byte cap :class:`~sac_compile.budgets.step_peak.StepPeak` sets; its forward's
-    outputs carry a gradient hook that, once the backward reaches them, queues the report
-    of the step's end for when the whole backward is over (the autograd engine's final
-    callback). Under ``torch.compile`` the hooks are traced and do nothing."""
-
-    def __init__(self, controller: StepPeak) -> None:
-        self.controller = controller
-        self._step = 0  # the step whose end is queued (once per step)
-        self._prices = 0  # prices the whole-model budget had found after the last start
-        self._patterns: dict = {}  # step signature -> its region calls (the last step's)
-        self._solved: dict = {}    # step signature -> the cap its plans were priced at
-        self._compiles = 0         # graphs of its blocks compiled before this step
-
-    def __copy__(self) -> MeasuredSteps:  # copies of the model share the budget
-        return self
-
-    def __deepcopy__(self, memo: dict) -> MeasuredSteps:
-        return self
-
-    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        from .runtime.model_budget import last_calls, reprice
-        leaves = [a for a in pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)]
-        signature = tuple((tuple(a.shape), a.dtype, a.device.type) for a in leaves)
-        param = next(module.parameters(), None)
-        device = param.device if param is not None else (
-            leaves[0].device if leaves else torch.device("cpu"))
-        controller, model = self.controller, self.controller.model
-        last = controller.signature
-        if last is not None:
-            pattern = last_calls(model)
-            if pattern:
-                self._patterns[last] = pattern
-            if len(model.notes) > self._prices:  # the step that ended was priced again,
-                self._solved[last] = model.nbytes  # at its cap: a pattern its plans lacked
-                controller.reopen()
-        cap = controller.begin(signature, device)
-        self._compiles = model.compiles
-        changed = cap != model.nbytes
-        if self._solved.get(signature) != cap:  # this signature's plans: of another cap
-            pattern = self._patterns.get(signature)
-            reprice(model, cap, pattern)
-            if pattern:
-                self._solved[signature] = cap
-        else:
-            model.set_cap(cap)
-        if changed:  # blocks compiled one by one: compiled again at the new cap
-            with model.lock:
-                model.rekey |= set(model.kinds)
-            rekey(model)
-        self._prices = len(model.notes)
-        return None
-
-    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self.controller.measuring():
-            return None
-        step = self.controller.step
-        outputs = [o for o in pytree.tree_leaves(output)
-                   if isinstance(o, torch.Tensor) and o.requires_grad]
-
-        def reached(grad: torch.Tensor) -> None:
-            if self._step != step:
-                self._step = step
-                queue_backward_callback(lambda: self._ended(step))
-        for o in outputs:
-            o.register_hook(reached)
-        return None
-
-    def _ended(self, step: int) -> None:
-        from .runtime.model_budget import step_kept
-        if self.controller.step == step:
-            model = self.controller.model
-            kept = step_kept(model)
-            with model.lock:
-                ran = sum(model.graph_runs.values())  # blocks compiled one by one ran
-                if not kept and ran:  # what their splits keep (each block's share)
-                    kept = sum(model.shares.values())
-                compiled = model.compiles != self._compiles
-            self.controller.end(kept, compiled=compiled)
 
 
 from .checkpoint_call import checkpoint  # noqa: E402  (it reads _region_name from here)

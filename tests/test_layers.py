@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                                 "sac_compile.explaining")),
     ("regions", ("sac_compile.regions", "sac_compile.checkpoint_call",
                  "sac_compile.module_regions", "sac_compile.region_run",
+                 "sac_compile.region_steps",
                  "sac_compile.region_names")),
     ("compile engine", ("sac_compile.compiler",)),
     ("eager engine", ("sac_compile.runtime",)),

@@ -18,7 +18,7 @@ shapes, submodules), so how many blocks of each kind the model has:
   is recorded here. Once every kind was recorded, the price is found over them, each kind
   weighted by its number of blocks (:func:`price_over_kinds`), and each kind's share per
   block is that price's. The kinds cut at the even split are compiled once more at the
-  next call of the model (:class:`sac_compile.regions.BudgetStep` changes their
+  next call of the model (:class:`sac_compile.region_steps.BudgetStep` changes their
   tokens between steps, so no step mixes the two splits): two compiles per kind, said in
   the log and counted in ``ModelBudget.recompiles``.
 

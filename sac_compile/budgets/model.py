@@ -44,7 +44,7 @@ class ModelBudget:
         # Compiled graphs holding some of the members (.kinds): a kind's recorded network,
         # the per-member shares at the price (None: not found yet), the kinds compiled at
         # the even split before the price was known, and those to be compiled again at the
-        # next call of the model (regions.BudgetStep).
+        # next call of the model (region_steps.BudgetStep).
         self.kind_nets: dict[str, Any] = {}
         self.kind_share: dict[str, float] | None = None
         self.provisional: set[str] = set()

@@ -37,6 +37,10 @@ reset at the step's start), and the first recomputes all it may. A user's own CP
 running at a calibration step's start: that step is not measured (the CPU measurement is a
 profiler; it cannot nest), a note says so.
 
+Several ranks (data parallel): each measures its own steps and may settle on another
+cap; a warning says so at the first step (regions holding collectives need every rank to
+recompute alike: a kept-byte budget there).
+
 This module decides; :mod:`sac_compile.regions` marks the step's start and end (the
 model's forward pre-hook, the end of the backward) and applies the cap.
 """
@@ -106,6 +110,8 @@ class StepPeak:
         self.step += 1
         with self.model.lock:
             self.model.steps_begun += 1
+        if self.step == 1:
+            _warn_if_ranks(self.budget)
         self.signature = signature
         fit = self.fits.setdefault(signature, _Fit())
         if not fit.done:
@@ -241,4 +247,17 @@ class StepPeak:
         self._measured, self._kept = None, None
         if stack is not None:
             stack.close()
+
+
+def _warn_if_ranks(budget: PeakBudget) -> None:
+    """Several ranks: each measures its own steps and may settle on another cap, so the
+    ranks' regions may recompute different values; said once, never assumed away."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        log.warning(
+            "sac_compile: %s over apply_regions: each of the %d ranks measures its own "
+            "steps and sets its own cap, so ranks may recompute different values. Where a "
+            "region holds collectives (an FSDP gather inside a block), ranks recomputing "
+            "differently would call different collectives: use a kept-byte budget "
+            "(the same plan on every rank) there", budget.label(), dist.get_world_size())
 

@@ -7,7 +7,7 @@ twice. Nothing Python sees inside a compiled graph can count it without a graph 
 ``fullgraph=True`` compile forbids one, and Dynamo would guard a counter's value), so the
 callable the backend returns is wrapped: each run of a graph counts, per kind of block, the
 region calls it holds (:attr:`ModelBudget.graph_runs`). The model's step hook
-(:class:`sac_compile.regions.BudgetStep`) reads the count when the step ends
+(:class:`sac_compile.region_steps.BudgetStep`) reads the count when the step ends
 (:meth:`sac_compile.budgets.ModelBudget.count_step`).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A whole-model budget in eager mode (``apply_regions(..., memory_budget="2GiB")``).
 
 The budget caps the bytes the regions keep in one *step* - one call of the model, marked
-by ``apply_regions``' forward pre-hook (:class:`sac_compile.regions.BudgetStep`) -
+by ``apply_regions``' forward pre-hook (:class:`sac_compile.region_steps.BudgetStep`) -
 summed over every region *call*: a block that runs twice keeps twice.
 
 Step 1 records: each region call's flow network is kept (no tensors), and the call is cut
