@@ -364,3 +364,18 @@ def test_a_model_compiled_whole_around_graph_breaks_is_a_clear_error():
         err = err.__cause__ or err.__context__
     assert err is not None, e.value
     assert "graph breaks" in str(err) and "make_backend(memory_budget=PeakBudget" in str(err)
+
+
+def test_a_users_profiler_started_during_a_calibration_step_is_not_a_measurement():
+    """The calibration's CPU profiler runs from a step's start to the next call of the
+    model; a profiler the user starts in between loses its events: that step is measured
+    again, never read as a 0-byte step (which would raise the cap to the budget)."""
+    model = _stack(PeakBudget(2_000_000))
+    x = stack_inputs()
+    model(x).backward()
+    with torch.profiler.profile():
+        model(x).backward()
+    ctrl = _controller(model)
+    assert all(p > 0 for fit in ctrl.fits.values() for _, _, p in fit.tries), ctrl.notes
+    assert any("disturbed" in note for note in ctrl.notes), ctrl.notes
+    assert all(f.cap < 2_000_000 for f in ctrl.fits.values())

@@ -58,6 +58,7 @@ __all__ = ["StepPeak", "MAX_STEPS", "USED"]
 
 MAX_STEPS = 6   # measured steps per signature at most
 USED = 0.9      # done once a step within the budget uses this much of it
+_END = "after the step"  # the measurement's mark at the end of the step's backward
 
 log = logging.getLogger("sac_compile")
 
@@ -141,7 +142,7 @@ class StepPeak:
         backward (it restores the thread's state it began with)."""
         if self._measured is not None and self._kept is None:
             self._kept = -1 if compiled else kept
-            self._measured.mark("after the step")
+            self._measured.mark(_END)
 
     def _finish(self) -> None:
         """Stop measuring; a step whose backward ended is decided on."""
@@ -150,6 +151,10 @@ class StepPeak:
         if m is not None and kept is not None and kept < 0:
             self._note(f"{self.budget.label()}: step {self.step} compiled blocks (not "
                        f"measured: compiling allocates what a step does not)")
+        elif m is not None and kept is not None and (_END not in m.phases or m.bytes <= 0):
+            # (a profiler of the user's started while this one ran: its events are lost)
+            self._note(f"{self.budget.label()}: step {self.step}'s measurement was "
+                       f"disturbed (another profiler started during it); measured again")
         elif m is not None and kept is not None:
             self._decide(self.fits[signature], kept, m.peak("step"))
 
