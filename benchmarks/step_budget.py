@@ -20,8 +20,8 @@ printed per torch point: ours / torch, peak and FLOPs. ``--plot`` writes
 ``--compiler eager``: our eager regions instead (``apply_regions(...,
 memory_budget=PeakBudget(n))``, held by measuring its first steps,
 ``sac_compile.budgets.step_peak``): no budget, ``recompute_all`` (full AC, ours), then
-PeakBudget at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's, the
-FLOPs column then the ops the backward replayed.
+PeakBudget at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's, with
+the ops the backward replayed (no FLOPs column).
 
     python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor|eager]
         [--size bench] [--json out.json] [--plot]
@@ -96,9 +96,9 @@ def eager_sweep(model: str, size: str) -> list[tuple[str, StepPoint, StepPoint |
     relaxed = policies.relaxed(policies.save_matmuls)
 
     def show(label: str, p: StepPoint) -> StepPoint:
-        p.flops = p.replayed  # (ops, not FLOPs: eager counts the ops it replays)
-        print(row(model, label, p) + (f"  after {p.steps} steps" if p.steps else ""),
-              flush=True)
+        # (the GFLOPs column stays empty: eager counts the ops it replays)
+        print(row(model, label, p) + f"  {p.replayed} ops replayed" +
+              (f", after {p.steps} steps" if p.steps else ""), flush=True)
         return p
 
     free = show("ours eager, no budget", run_eager_step(model, size, relaxed, reference=ref))
