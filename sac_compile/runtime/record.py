@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..inert_policies import DecidedOp, warn_inert_policies
+from ..inert_policies import DecidedOp, may_warn_inert, warn_inert_policies
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
                       op_name)
 from ..effects import kept_decision
@@ -19,7 +19,7 @@ from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, ReplayCo
                     flat_outputs, forward_args, mutated_tensors, needs_detach, op_info)
 from .mutations import before_mutation, follow_unversioned_write, index_saved
 from .stats import SavedValueRecord, active_stats
-from .store import capture_rng, needed_nodes, saved_records, store_saved
+from .store import capture_rng, count_uses, saved_records, store_saved
 
 Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -34,6 +34,13 @@ _NO_KWARGS: dict[str, Any] = {}
 
 class RegionRecorder(TorchDispatchMode):
     """Records the ops of one outermost region (nested regions push frames onto it)."""
+
+    # Some node's decision saves (set by _set_decision): else region exit skips the walk
+    # over the decisions that keeps saved values.
+    saving = False
+    # Some region's policy may be inert (a function not yet checked): region exit then runs
+    # warn_inert_policies over every node; else nothing there could warn.
+    inert_check = False
 
     def __init__(self, frame: RegionFrame, allow_cache_entry_mutation: bool) -> None:
         super().__init__()
@@ -96,6 +103,8 @@ class RegionRecorder(TorchDispatchMode):
     @frames.setter
     def frames(self, frames: tuple[RegionFrame, ...]) -> None:
         self._frames = frames
+        if not self.inert_check and may_warn_inert(frames):
+            self.inert_check = True
         self.decider = make_decider(frames)
         self.fixed = fixed_decision(frames)  # every op's decision, or None: ask the decider
 
@@ -279,6 +288,8 @@ class RegionRecorder(TorchDispatchMode):
         first = node.decision is None
         was_saved = not first and node.decision.saves
         node.decision = decision
+        if decision.saves:
+            self.saving = True
         if decision.saves and not was_saved:
             values = []
             for facts in node.outs:
@@ -367,12 +378,13 @@ class RegionRecorder(TorchDispatchMode):
             self.budget_run = None  # it held the forward's activations until the plan
             self._forget_forward()
             raise
-        needed = needed_nodes(self.handles)
+        count_uses(self.handles)  # a node no handle needs has no uses
         seen: set[int] = set()
-        for node in self.decisions:
+        saving = self.saving or self.budget_run is not None
+        for node in self.decisions if saving else ():
             if not node.decision.saves:
                 continue
-            if id(node) not in needed or node.value is None:
+            if not node.uses or node.value is None:
                 # Saved by policy but no backward asks for it; or a late tag asked to save
                 # an output that had already died, or a PREFER_SAVE value the region
                 # mutated, so the op stays recomputable.
@@ -382,7 +394,9 @@ class RegionRecorder(TorchDispatchMode):
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
             store_saved(node)
-        if self.kept_effects or self.budget_run is not None:  # judge what the policies said
+        if not self.inert_check:
+            pass  # every policy a value, or one checked already: nothing to warn about
+        elif self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
                                  if getattr(n.decision, "original", None) is not None else n
                                  for n in self.decisions])

@@ -16,31 +16,58 @@ from ..tensor_memory import storage_key, storage_nbytes
 from .graph import NodeOutput, OpNode
 from .stats import SavedValueRecord
 
-__all__ = ["needed_nodes", "store_saved", "saved_records", "capture_rng"]
+__all__ = ["count_uses", "store_saved", "saved_records", "capture_rng"]
 
 
-def needed_nodes(handles: Sequence[NodeOutput]) -> dict[int, OpNode]:
-    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed.
-
-    Also counts ``OpNode.uses``, how often one backward reads each node: once per handle,
-    once per recomputed node that reads it (compiled autograd's progressive release)."""
-    needed: dict[int, OpNode] = {}
+def count_uses(handles: Sequence[NodeOutput]) -> None:
+    """Count ``OpNode.uses``, how often one backward reads each node: once per handle, once
+    per recomputed node that reads it (compiled autograd's progressive release). A node
+    some handle needs (its own node, or an input of a node that will be recomputed) is one
+    with ``uses`` > 0 afterwards; nodes are fresh per region call, so every count starts at
+    0, and a node is expanded when first reached (no visited set)."""
     stack = []
+    push = stack.append
     for handle in handles:
         node = handle.node
-        node.uses += 1
-        stack.append(node)
+        if node.uses:
+            node.uses += 1
+        else:
+            node.uses = 1
+            push(node)
+    pop = stack.pop
     while stack:
-        node = stack.pop()
-        if id(node) in needed:
-            continue
-        needed[id(node)] = node
-        if not (node.decision is not None and node.decision.saves and node.value is not None):
-            deps = node.deps
-            for dep in deps:
-                dep.uses += 1
-            stack.extend(deps)
-    return needed
+        node = pop()
+        args = node.args
+        if args is None or (node.value is not None and node.decision is not None
+                            and node.decision.saves):
+            continue  # saved (or never recomputed): its inputs are not read
+        for a in args:  # ``deps``, inlined for the common plain reference
+            cls = type(a)
+            if cls is NodeOutput:
+                dep = a.node
+                if dep.uses:
+                    dep.uses += 1
+                else:
+                    dep.uses = 1
+                    push(dep)
+            elif (cls is list or cls is tuple) and a:
+                _use_all(a, push)
+        if node.kwargs:
+            _use_all(node.kwargs.values(), push)
+
+
+def _use_all(refs: Any, push: Any) -> None:
+    """``count_uses``'s step for references in a list or keyword arguments."""
+    for a in refs:
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for x in items:
+            if type(x) is NodeOutput:
+                dep = x.node
+                if dep.uses:
+                    dep.uses += 1
+                else:
+                    dep.uses = 1
+                    push(dep)
 
 
 def _call_pack(node: OpNode, value: torch.Tensor) -> Any:
