@@ -47,8 +47,9 @@ class RegionRecorder(TorchDispatchMode):
         self.frames = (frame,)
         self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
                                  tuple(active_stats()))
-        # id(tensor) -> its producer (its weakref and version: node.outs[index])
-        self.producers: dict[int, NodeOutput] = {}
+        # id(tensor) -> a reference to it: its producer node for output 0, else a
+        # NodeOutput (its weakref and version: ref.outs[ref.index])
+        self.producers: dict[int, OpNode | NodeOutput] = {}
         self.leaves: dict[int, tuple[Any, LeafRef]] = {}
         # Which leaves and saved values live on a storage, for copy-on-write before an
         # in-place op. Built at the region's first mutation: most regions never mutate.
@@ -113,9 +114,9 @@ class RegionRecorder(TorchDispatchMode):
     def lookup(self, t: torch.Tensor) -> tuple[OpNode, int] | None:
         ref = self.producers.get(id(t))
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
-                return ref.node, ref.index
+                return (ref, 0) if type(ref) is OpNode else (ref.node, ref.index)
         return None
 
     def leaf(self, t: torch.Tensor) -> LeafRef:
@@ -130,10 +131,11 @@ class RegionRecorder(TorchDispatchMode):
 
     def _ref(self, t: torch.Tensor) -> Any:
         """How a recorded argument refers to tensor ``t``: the output of the node that
-        produced it (one shared, never-written ``NodeOutput`` per output), or a leaf."""
+        produced it (the node itself for its output 0, else one shared, never-written
+        ``NodeOutput`` per output), or a leaf."""
         ref = self.producers.get(id(t))
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
                 return ref
         return self.leaf(t)
@@ -165,8 +167,8 @@ class RegionRecorder(TorchDispatchMode):
             return self._record(func, info, args, kwargs or {})
         # The common op, inlined: positional arguments only, writes nothing, draws no
         # random numbers, no collective, no memory budget. No pytree walk; what it keeps
-        # per op is the node, its argument tuple, one NodeOutput per output (shared by the
-        # ops that read it) and the output's facts.
+        # per op is the node (which also stands for its output in the arguments of the ops
+        # that read it), its argument tuple and the output's facts.
         producers = self.producers
         rec = []
         for a in args:
@@ -174,7 +176,7 @@ class RegionRecorder(TorchDispatchMode):
             if cls is Tensor:
                 ref = producers.get(id(a))
                 if ref is not None:
-                    facts = ref.node.outs[ref.index]
+                    facts = ref.outs[ref.index]
                     if facts[0]() is a and a._version == facts[1]:
                         rec.append(ref)
                         continue
@@ -193,7 +195,7 @@ class RegionRecorder(TorchDispatchMode):
         # The shape as a plain tuple: the collector stops tracking a tuple of ints.
         node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
                       ((wr, out._version, tuple(out.shape), out.dtype),))
-        producers[id(out)] = NodeOutput(node, 0)
+        producers[id(out)] = node  # the node is the reference to its output 0
         fixed = self.fixed
         decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)
         if decision.saves:
@@ -234,7 +236,7 @@ class RegionRecorder(TorchDispatchMode):
         bump = 1 if info.bumps_version and not info.bump_ourselves else 0
         if type(out) is Tensor and not mutated:
             outs.append((_weakref(out), out._version, tuple(out.shape), out.dtype))
-            producers[id(out)] = NodeOutput(node, 0)
+            producers[id(out)] = node
         else:
             outputs = flat_outputs(out)
             # Arguments mutated but not returned are outputs too: later ops read them.
@@ -246,7 +248,7 @@ class RegionRecorder(TorchDispatchMode):
                     # An in-place op's version bump happens after the mode returns.
                     version = t._version + (bump if any(m is t for m in mutated) else 0)
                     outs.append((_weakref(t), version, tuple(t.shape), t.dtype))
-                    producers[id(t)] = NodeOutput(node, i)
+                    producers[id(t)] = NodeOutput(node, i) if i else node
                 else:
                     outs.append(None)
             if prior is not None:
@@ -347,10 +349,11 @@ class RegionRecorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor) -> Any:
         ref = self.producers.get(id(t))  # self.lookup(t), inlined: one call per saved tensor
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
                 # A handle of its own: follow_unversioned_write may move it.
-                handle = NodeOutput(ref.node, ref.index)
+                handle = NodeOutput(ref, 0) if type(ref) is OpNode else \
+                    NodeOutput(ref.node, ref.index)
                 self.handles.append(handle)
                 return handle
         if t.grad_fn is not None:
@@ -420,7 +423,8 @@ def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None
     key = storage_key(t)
     for a in node.args:
         value = a.value if type(a) is LeafRef else (
-            a.node.outs[a.index][0]() if type(a) is NodeOutput and a.node.outs[a.index] else None)
+            a.outs[a.index][0]() if type(a) in (OpNode, NodeOutput) and a.outs[a.index]
+            else None)
         if isinstance(value, torch.Tensor) and storage_key(value) == key:
             return value
     return None

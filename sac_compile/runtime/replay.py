@@ -13,7 +13,7 @@ from .checks import (check_not_mutated, mutated_after_region, stale_leaf, unpack
                      unpack_kept)
 from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, alias_for_saving,
                     flat_outputs, kept_for, map_refs, mutated_tensors, op_info,
-                    recomputes_through_hooks)
+                    recomputes_through_hooks, ref_node)
 
 
 def unpack(packed: Any) -> torch.Tensor:
@@ -159,13 +159,18 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
             push(_INPUTS_READY)
             height = len(stack)
             for a in args:  # ``deps``, inlined for the common plain reference
-                if type(a) is NodeOutput:
+                cls = type(a)
+                if cls is OpNode:
+                    dep = a
+                elif cls is NodeOutput:
                     dep = a.node
-                    if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
-                            or dep.mutated_by is not None:
-                        push(dep)
-                elif (type(a) is list or type(a) is tuple) and a:
-                    _push_missing(a, node, push)
+                else:
+                    if (cls is list or cls is tuple) and a:
+                        _push_missing(a, node, push)
+                    continue
+                if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
+                        or dep.mutated_by is not None:
+                    push(dep)
             if node.kwargs:
                 _push_missing(node.kwargs.values(), node, push)
             if len(stack) != height:
@@ -192,8 +197,8 @@ def _push_missing(refs: Any, node: OpNode, push: Any) -> None:
     node they read whose value is missing (or was mutated: its check raises)."""
     for a in refs:
         for x in (a if isinstance(a, (list, tuple)) else (a,)):
-            if type(x) is NodeOutput:
-                dep = x.node
+            if type(x) is OpNode or type(x) is NodeOutput:
+                dep = ref_node(x)
                 if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
                         or dep.mutated_by is not None:
                     push(dep)
@@ -266,11 +271,10 @@ def _restore_packed(node: OpNode) -> list[Any]:
     return values
 
 
-def _recomputed_value(ref: NodeOutput) -> Any:
-    node = ref.node
+def _recomputed_value(node: OpNode, index: int) -> Any:
     if node.value is None and node.kept is not None:
-        return unpack_kept(node, ref.index)
-    return _unpack_value(node, ref.index)
+        return unpack_kept(node, index)
+    return _unpack_value(node, index)
 
 
 class _LeafReader:
@@ -318,13 +322,19 @@ def _replay(node: OpNode) -> list[Any]:
     read = None
     for a in node.args:
         cls = type(a)
-        if cls is NodeOutput:
+        if cls is OpNode:  # output 0 of that node
+            value = a.value
+            if value is not None and a.versions is None:  # recomputed: nothing to check
+                args.append(value[0])
+            else:
+                args.append(_recomputed_value(a, 0))
+        elif cls is NodeOutput:
             dep = a.node
             value = dep.value
-            if value is not None and dep.versions is None:  # recomputed: nothing to check
+            if value is not None and dep.versions is None:
                 args.append(value[a.index])
             else:
-                args.append(_recomputed_value(a))
+                args.append(_recomputed_value(dep, a.index))
         elif cls is LeafRef:
             if not a.snapshot and a.version is not None and a.value._version != a.version:
                 raise stale_leaf(node, a)  # (LeafRef.stale, inlined)

@@ -13,7 +13,7 @@ import torch
 
 from ..policy import CheckpointError, op_name
 from ..tensor_memory import storage_key, storage_nbytes
-from .graph import NodeOutput, OpNode
+from .graph import NodeOutput, OpNode, ref_node
 from .stats import SavedValueRecord
 
 __all__ = ["count_uses", "store_saved", "saved_records", "capture_rng"]
@@ -43,15 +43,19 @@ def count_uses(handles: Sequence[NodeOutput]) -> None:
             continue  # saved (or never recomputed): its inputs are not read
         for a in args:  # ``deps``, inlined for the common plain reference
             cls = type(a)
-            if cls is NodeOutput:
+            if cls is OpNode:
+                dep = a
+            elif cls is NodeOutput:
                 dep = a.node
-                if dep.uses:
-                    dep.uses += 1
-                else:
-                    dep.uses = 1
-                    push(dep)
-            elif (cls is list or cls is tuple) and a:
-                _use_all(a, push)
+            else:
+                if (cls is list or cls is tuple) and a:
+                    _use_all(a, push)
+                continue
+            if dep.uses:
+                dep.uses += 1
+            else:
+                dep.uses = 1
+                push(dep)
         if node.kwargs:
             _use_all(node.kwargs.values(), push)
 
@@ -61,8 +65,8 @@ def _use_all(refs: Any, push: Any) -> None:
     for a in refs:
         items = a if isinstance(a, (list, tuple)) else (a,)
         for x in items:
-            if type(x) is NodeOutput:
-                dep = x.node
+            if type(x) is OpNode or type(x) is NodeOutput:
+                dep = ref_node(x)
                 if dep.uses:
                     dep.uses += 1
                 else:
