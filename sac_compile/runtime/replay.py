@@ -315,6 +315,9 @@ def _call(node: OpNode, info: Any, args: tuple, kwargs: dict) -> Any:
         gen.set_state(current)
 
 
+_Tensor = torch.Tensor
+
+
 def _replay(node: OpNode) -> list[Any]:
     # The recorded arguments with each reference replaced by its value now (map_refs,
     # inlined for the common plain reference: no call per argument).
@@ -346,11 +349,12 @@ def _replay(node: OpNode) -> list[Any]:
             args.append(a)
     info = OP_INFO[id(node.op)]
     kwargs = {}
-    if not node.kwargs and info.plain and node.rng is None and len(node.outs) == 1:
-        # The common op (as the recorder's fast path): call it, check its one output.
+    if not node.kwargs and info.plain and len(node.outs) == 1:
+        # The common op (as the recorder's fast path): call it, check its one output. (A
+        # plain op draws no random numbers: the recorder gave it no generator state.)
         out = info.call(*args)
         facts = node.outs[0]
-        if type(out) is torch.Tensor and facts is not None and out.shape == facts[2] \
+        if type(out) is _Tensor and facts is not None and out.shape == facts[2] \
                 and out.dtype == facts[3] and not node.ctx.stats:
             return [out]
     else:
