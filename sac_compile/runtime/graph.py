@@ -187,7 +187,7 @@ class OpNode:
     index = 0
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, frames: tuple,
-                 ctx: ReplayContext, seq: int, outs: list | tuple | None = None) -> None:
+                 ctx: ReplayContext, seq: int, outs: list | tuple) -> None:
         self.op = op
         self.args = args   # None once the node can never be recomputed again
         self.kwargs = kwargs
@@ -202,7 +202,7 @@ class OpNode:
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output. The recorder's fast path passes a tuple
         # (smaller than a list, built without a call); only ``RegionRecorder._add`` appends.
-        self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
+        self.outs: list[tuple[Any, int, Any, Any] | None] = outs
         # Progressive release (compiled autograd holds every handle until its graph
         # returns): ``uses`` is how often one backward reads this node (its handles'
         # unpacks and the replays of the recomputed nodes that read it), counted when the

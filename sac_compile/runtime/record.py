@@ -60,13 +60,15 @@ class RegionRecorder(TorchDispatchMode):
         self.allowing_frames: set[int] = set()
         self.nodes_recorded = 0
         self.decisions: list[OpNode] = []
-        self.suspended = False
+        self.suspended = False  # set through _suspend
         self.caller_dispatch_keys: Any = None
         self.kept_effects = False  # some collective/effectful op's outputs were kept
         self.budget_run = None  # a memory budget's plan for this call (.budget_run)
         if frame.budget is not None:
             from .budget_run import BudgetRun
             self.budget_run = BudgetRun(frame.budget, frame.name)
+        # Not the fast path for any op: suspended, or under a memory budget (one test per op).
+        self.general = self.budget_run is not None
 
     def __enter__(self) -> RegionRecorder:
         # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
@@ -157,13 +159,18 @@ class RegionRecorder(TorchDispatchMode):
         # dynamo traces (compiled regions use the compiler's tagging mode instead).
         return False
 
+    def _suspend(self, on: bool) -> None:
+        """Run ops unrecorded (``on``) or record them again."""
+        self.suspended = on
+        self.general = on or self.budget_run is not None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.suspended or _inference_mode():
-            # An inference_mode block inside a region: its outputs can never be saved for
-            # backward, so there is nothing to record; later ops read them as leaves.
-            return func(*args, **(kwargs or {}))
         info = _OP_INFO_get(id(func)) or op_info(func)
-        if kwargs or not info.plain or self.budget_run is not None:
+        if kwargs or not info.plain or self.general or _inference_mode():
+            if self.suspended or _inference_mode():
+                # An inference_mode block inside a region: its outputs can never be saved
+                # for backward, so there is nothing to record; later ops read them as leaves.
+                return func(*args, **(kwargs or {}))
             return self._record(func, info, args, kwargs or {})
         # The common op, inlined: positional arguments only, writes nothing, draws no
         # random numbers, no collective, no memory budget. No pytree walk; what it keeps
@@ -206,7 +213,7 @@ class RegionRecorder(TorchDispatchMode):
         return out
 
     def _node(self, func: Any, rec_args: tuple, rec_kwargs: dict) -> OpNode:
-        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded)
+        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded, [])
         self.nodes_recorded += 1
         return node
 
@@ -332,12 +339,12 @@ class RegionRecorder(TorchDispatchMode):
         args, kwargs = forward_args(node)
         out = [f[0]() if f is not None else None for f in node.outs]
         output = out[0] if len(out) == 1 else tuple(out)
-        self.suspended = True
+        self._suspend(True)
         try:
             decision = decide(node.frames, node.op, args, kwargs, output, names=node.names,
                               tag=node.tag, tag_region=node.region)
         finally:
-            self.suspended = False
+            self._suspend(False)
         info = op_info(node.op)
         if info.effect is not None:
             decision = self._effect_rule(node, info, decision)
@@ -357,11 +364,11 @@ class RegionRecorder(TorchDispatchMode):
                 self.handles.append(handle)
                 return handle
         if t.grad_fn is not None:
-            self.suspended = True
+            self._suspend(True)
             try:
                 t = t.detach()  # a tensor with history: no cycle through our storage
             finally:
-                self.suspended = False
+                self._suspend(False)
         return ForeignSaved(t, self.frames[-1].name)
 
     # -- region exit ----------------------------------------------------------------------
