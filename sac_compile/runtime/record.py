@@ -388,7 +388,7 @@ class RegionRecorder(TorchDispatchMode):
             self.budget_run = None  # it held the forward's activations until the plan
             self._forget_forward()
             raise
-        count_uses(self.handles)  # a node no handle needs has no uses
+        count_uses(self.handles, self.decisions)  # a node no handle needs has no uses
         seen: set[int] = set()
         saving = self.saving or self.budget_run is not None
         for node in self.decisions if saving else ():

@@ -19,24 +19,22 @@ from .stats import SavedValueRecord
 __all__ = ["count_uses", "store_saved", "saved_records", "capture_rng"]
 
 
-def count_uses(handles: Sequence[NodeOutput]) -> None:
+def count_uses(handles: Sequence[NodeOutput], nodes: Sequence[OpNode]) -> None:
     """Count ``OpNode.uses``, how often one backward reads each node: once per handle, once
     per recomputed node that reads it (compiled autograd's progressive release). A node
     some handle needs (its own node, or an input of a node that will be recomputed) is one
-    with ``uses`` > 0 afterwards; nodes are fresh per region call, so every count starts at
-    0, and a node is expanded when first reached (no visited set)."""
-    stack = []
-    push = stack.append
+    with ``uses`` > 0 afterwards (nodes are fresh per region call: every count starts at 0).
+
+    ``nodes``: the region's nodes in recording order, which is topological (a node reads
+    only nodes recorded before it). Swept from the last, each node's count is final when
+    it is reached: no stack, no visited set."""
+    if not handles:
+        return  # backward reads nothing of the region
     for handle in handles:
-        node = handle.node
-        if node.uses:
-            node.uses += 1
-        else:
-            node.uses = 1
-            push(node)
-    pop = stack.pop
-    while stack:
-        node = pop()
+        handle.node.uses += 1
+    for node in reversed(nodes):
+        if not node.uses:
+            continue  # no backward reads it
         args = node.args
         if args is None or (node.value is not None and node.decision is not None
                             and node.decision.saves):
@@ -44,34 +42,21 @@ def count_uses(handles: Sequence[NodeOutput]) -> None:
         for a in args:  # ``deps``, inlined for the common plain reference
             cls = type(a)
             if cls is OpNode:
-                dep = a
+                a.uses += 1
             elif cls is NodeOutput:
-                dep = a.node
-            else:
-                if (cls is list or cls is tuple) and a:
-                    _use_all(a, push)
-                continue
-            if dep.uses:
-                dep.uses += 1
-            else:
-                dep.uses = 1
-                push(dep)
+                a.node.uses += 1
+            elif (cls is list or cls is tuple) and a:
+                _use_all(a)
         if node.kwargs:
-            _use_all(node.kwargs.values(), push)
+            _use_all(node.kwargs.values())
 
 
-def _use_all(refs: Any, push: Any) -> None:
+def _use_all(refs: Any) -> None:
     """``count_uses``'s step for references in a list or keyword arguments."""
     for a in refs:
-        items = a if isinstance(a, (list, tuple)) else (a,)
-        for x in items:
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
             if type(x) is OpNode or type(x) is NodeOutput:
-                dep = ref_node(x)
-                if dep.uses:
-                    dep.uses += 1
-                else:
-                    dep.uses = 1
-                    push(dep)
+                ref_node(x).uses += 1
 
 
 def _call_pack(node: OpNode, value: torch.Tensor) -> Any:
