@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from .policy import PREFER_RECOMPUTE, Decision, PolicyValue, RegionFrame, op_name
 
-__all__ = ["DecidedOp", "warn_inert_policies"]
+__all__ = ["DecidedOp", "may_warn_inert", "warn_inert_policies"]
 
 
 class DecidedOp(NamedTuple):
@@ -32,6 +32,12 @@ def _unchecked(policy: Any) -> bool:
     except TypeError:  # not weak-referenceable: never checked
         return False
     return policy not in _CHECKED_POLICIES
+
+
+def may_warn_inert(frames: Iterable[RegionFrame]) -> bool:
+    """Whether ``warn_inert_policies`` could warn for ops run under ``frames``: some policy
+    is a function not checked yet (a checked policy stays checked while a frame holds it)."""
+    return any(not isinstance(f.policy, PolicyValue) and _unchecked(f.policy) for f in frames)
 
 
 def warn_inert_policies(decided: Iterable[Any]) -> None:

@@ -73,8 +73,8 @@ def region_network(nodes: Sequence[OpNode], handles: Sequence[NodeOutput],
                 static.add(ph)
         return ph
 
-    def out(ref: NodeOutput) -> fx.Node:
-        return outs[(id(ref.node), ref.index)]
+    def out(node: OpNode, index: int) -> fx.Node:
+        return outs[(id(node), index)]
 
     for node in nodes:
         args = tuple(map_refs(a, out, leaf) for a in node.args)

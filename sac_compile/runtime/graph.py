@@ -1,9 +1,10 @@
 """The recorded graph of a region: ops, their arguments as references, and handles.
 
-An ``OpNode`` is one ATen op of a region. Its arguments hold ``NodeOutput``s (an output of
-an earlier node) or ``LeafRef``s (a tensor from outside the recorded ops) where the forward
-had tensors. Autograd stores a ``NodeOutput`` too, instead of a tensor produced in the
-region.
+An ``OpNode`` is one ATen op of a region. Its arguments hold references to outputs of
+earlier nodes (the ``OpNode`` itself for its output 0, a ``NodeOutput`` for another) or
+``LeafRef``s (a tensor from outside the recorded ops) where the forward had tensors.
+Autograd stores a ``NodeOutput`` too (always one of its own), instead of a tensor produced
+in the region.
 """
 from __future__ import annotations
 
@@ -143,15 +144,18 @@ class ForeignSaved:
 
 
 class NodeOutput:
-    """Output ``index`` of ``node``: where a later op of the region read it (an argument),
-    and what autograd stores instead of it (the saved-tensor hooks' handle; unpacking it
-    returns the saved value or recomputes it)."""
+    """Output ``index`` of ``node``: where a later op of the region read it (an argument;
+    for output 0 the node itself is the reference, no object of its own), and what autograd
+    stores instead of it (the saved-tensor hooks' handle; unpacking it returns the saved
+    value or recomputes it). ``outs`` is ``node.outs``: ``ref.outs[ref.index]`` reads the
+    output's facts from either kind of reference."""
 
-    __slots__ = ("node", "index")
+    __slots__ = ("node", "index", "outs")
 
     def __init__(self, node: OpNode, index: int) -> None:
         self.node = node
         self.index = index
+        self.outs = node.outs
 
 
 class OpNode:
@@ -178,9 +182,12 @@ class OpNode:
     # Whether recomputing this node reads a value restored by SaveWithHooks (None until
     # a backward asks; replay.py): then a live forward output is not reused for it.
     via_hooks: bool | None = None
+    # A node in a recorded argument (or the recorder's producers) stands for its output 0:
+    # ``ref.outs[ref.index]`` and ``value[ref.index]`` read it as they read a NodeOutput.
+    index = 0
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, frames: tuple,
-                 ctx: ReplayContext, seq: int, outs: list | tuple | None = None) -> None:
+                 ctx: ReplayContext, seq: int, outs: list | tuple) -> None:
         self.op = op
         self.args = args   # None once the node can never be recomputed again
         self.kwargs = kwargs
@@ -195,7 +202,7 @@ class OpNode:
         # Per output: (weakref to the forward tensor, its version when produced, shape,
         # dtype), or None for a non-tensor output. The recorder's fast path passes a tuple
         # (smaller than a list, built without a call); only ``RegionRecorder._add`` appends.
-        self.outs: list[tuple[Any, int, Any, Any] | None] = [] if outs is None else outs
+        self.outs: list[tuple[Any, int, Any, Any] | None] = outs
         # Progressive release (compiled autograd holds every handle until its graph
         # returns): ``uses`` is how often one backward reads this node (its handles'
         # unpacks and the replays of the recomputed nodes that read it), counted when the
@@ -211,16 +218,18 @@ class OpNode:
             return deps
         for a in self.args:
             cls = type(a)
-            if cls is NodeOutput:
+            if cls is OpNode:
+                deps.append(a)
+            elif cls is NodeOutput:
                 deps.append(a.node)
             elif (cls is list or cls is tuple) and a:
-                deps.extend(x.node for x in a if type(x) is NodeOutput)
+                deps.extend(ref_node(x) for x in a if type(x) in _REFS)
         if self.kwargs:
             for v in self.kwargs.values():
-                if type(v) is NodeOutput:
-                    deps.append(v.node)
+                if type(v) in _REFS:
+                    deps.append(ref_node(v))
                 elif isinstance(v, (list, tuple)):
-                    deps.extend(x.node for x in v if type(x) is NodeOutput)
+                    deps.extend(ref_node(x) for x in v if type(x) in _REFS)
         return deps
 
     @property
@@ -231,6 +240,15 @@ class OpNode:
         return f"{op_name(self.op)} (op #{self.seq} of region {self.region!r})"
 
 
+# The two kinds of reference to a node's output in a recorded argument.
+_REFS = (OpNode, NodeOutput)
+
+
+def ref_node(ref: OpNode | NodeOutput) -> OpNode:
+    """The node whose output ``ref`` (a recorded argument's reference) is."""
+    return ref if type(ref) is OpNode else ref.node
+
+
 def kept_for(dep: OpNode, node: OpNode) -> bool:
     """Whether the outputs of ``dep`` that ``node`` reads are all kept (``dep.kept``)."""
     kept = dep.kept
@@ -238,7 +256,7 @@ def kept_for(dep: OpNode, node: OpNode) -> bool:
         return False
     refs = [r for a in (*node.args, *(node.kwargs or {}).values())
             for r in (a if isinstance(a, (list, tuple)) else (a,))
-            if type(r) is NodeOutput and r.node is dep]
+            if type(r) in _REFS and ref_node(r) is dep]
     return all(kept[r.index] is not None for r in refs)
 
 
@@ -307,22 +325,27 @@ def flat_outputs(out: Any) -> list[Any]:
 
 
 def map_refs(a: Any, out_value: Any, leaf_value: Any = None) -> Any:
-    """``a`` (an argument as recorded) with each ``NodeOutput`` replaced by ``out_value(ref)``
-    and each ``LeafRef`` by ``leaf_value(ref)`` (default: its tensor); lists and tuples of
-    them likewise."""
+    """``a`` (an argument as recorded) with each reference to output ``index`` of ``node``
+    replaced by ``out_value(node, index)`` and each ``LeafRef`` by ``leaf_value(ref)``
+    (default: its tensor); lists and tuples of them likewise."""
     t = type(a)
+    if t is OpNode:
+        return out_value(a, 0)
     if t is NodeOutput:
-        return out_value(a)
+        return out_value(a.node, a.index)
     if t is LeafRef:
         return a.value if leaf_value is None else leaf_value(a)
-    if (t is list or t is tuple) and a and any(type(x) in (NodeOutput, LeafRef) for x in a):
+    if (t is list or t is tuple) and a and any(type(x) in _ALL_REFS for x in a):
         vals = [map_refs(x, out_value, leaf_value) for x in a]
         return vals if t is list else tuple(vals)
     return a
 
 
-def _forward_value(ref: NodeOutput) -> Any:
-    facts = ref.node.outs[ref.index]
+_ALL_REFS = (OpNode, NodeOutput, LeafRef)
+
+
+def _forward_value(node: OpNode, index: int) -> Any:
+    facts = node.outs[index]
     return facts[0]() if facts is not None else None
 
 

@@ -83,4 +83,4 @@ def follow_unversioned_write(rec: RegionRecorder, node: OpNode,
         index = next(i for i, o in enumerate(outputs) if o is m)
         for handle in rec.handles:
             if handle.node is found[0] and handle.index == found[1]:
-                handle.node, handle.index = node, index
+                handle.node, handle.index, handle.outs = node, index, node.outs

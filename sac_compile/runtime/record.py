@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..inert_policies import DecidedOp, warn_inert_policies
+from ..inert_policies import DecidedOp, may_warn_inert, warn_inert_policies
 from ..policy import (CheckpointError, CheckpointPolicy, Decision, Opinion, RegionFrame, decide,
                       op_name)
 from ..effects import kept_decision
@@ -19,7 +19,7 @@ from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, ReplayCo
                     flat_outputs, forward_args, mutated_tensors, needs_detach, op_info)
 from .mutations import before_mutation, follow_unversioned_write, index_saved
 from .stats import SavedValueRecord, active_stats
-from .store import capture_rng, needed_nodes, saved_records, store_saved
+from .store import capture_rng, count_uses, saved_records, store_saved
 
 Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -35,13 +35,21 @@ _NO_KWARGS: dict[str, Any] = {}
 class RegionRecorder(TorchDispatchMode):
     """Records the ops of one outermost region (nested regions push frames onto it)."""
 
+    # Some node's decision saves (set by _set_decision): else region exit skips the walk
+    # over the decisions that keeps saved values.
+    saving = False
+    # Some region's policy may be inert (a function not yet checked): region exit then runs
+    # warn_inert_policies over every node; else nothing there could warn.
+    inert_check = False
+
     def __init__(self, frame: RegionFrame, allow_cache_entry_mutation: bool) -> None:
         super().__init__()
         self.frames = (frame,)
         self.ctx = ReplayContext(frame.name, allow_cache_entry_mutation,
                                  tuple(active_stats()))
-        # id(tensor) -> its producer (its weakref and version: node.outs[index])
-        self.producers: dict[int, NodeOutput] = {}
+        # id(tensor) -> a reference to it: its producer node for output 0, else a
+        # NodeOutput (its weakref and version: ref.outs[ref.index])
+        self.producers: dict[int, OpNode | NodeOutput] = {}
         self.leaves: dict[int, tuple[Any, LeafRef]] = {}
         # Which leaves and saved values live on a storage, for copy-on-write before an
         # in-place op. Built at the region's first mutation: most regions never mutate.
@@ -52,13 +60,15 @@ class RegionRecorder(TorchDispatchMode):
         self.allowing_frames: set[int] = set()
         self.nodes_recorded = 0
         self.decisions: list[OpNode] = []
-        self.suspended = False
+        self.suspended = False  # set through _suspend
         self.caller_dispatch_keys: Any = None
         self.kept_effects = False  # some collective/effectful op's outputs were kept
         self.budget_run = None  # a memory budget's plan for this call (.budget_run)
         if frame.budget is not None:
             from .budget_run import BudgetRun
             self.budget_run = BudgetRun(frame.budget, frame.name)
+        # Not the fast path for any op: suspended, or under a memory budget (one test per op).
+        self.general = self.budget_run is not None
 
     def __enter__(self) -> RegionRecorder:
         # Inside __torch_dispatch__ autograd's keys are excluded, so a detach there makes
@@ -96,6 +106,8 @@ class RegionRecorder(TorchDispatchMode):
     @frames.setter
     def frames(self, frames: tuple[RegionFrame, ...]) -> None:
         self._frames = frames
+        if not self.inert_check and may_warn_inert(frames):
+            self.inert_check = True
         self.decider = make_decider(frames)
         self.fixed = fixed_decision(frames)  # every op's decision, or None: ask the decider
 
@@ -104,9 +116,9 @@ class RegionRecorder(TorchDispatchMode):
     def lookup(self, t: torch.Tensor) -> tuple[OpNode, int] | None:
         ref = self.producers.get(id(t))
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
-                return ref.node, ref.index
+                return (ref, 0) if type(ref) is OpNode else (ref.node, ref.index)
         return None
 
     def leaf(self, t: torch.Tensor) -> LeafRef:
@@ -121,10 +133,11 @@ class RegionRecorder(TorchDispatchMode):
 
     def _ref(self, t: torch.Tensor) -> Any:
         """How a recorded argument refers to tensor ``t``: the output of the node that
-        produced it (one shared, never-written ``NodeOutput`` per output), or a leaf."""
+        produced it (the node itself for its output 0, else one shared, never-written
+        ``NodeOutput`` per output), or a leaf."""
         ref = self.producers.get(id(t))
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
                 return ref
         return self.leaf(t)
@@ -146,18 +159,23 @@ class RegionRecorder(TorchDispatchMode):
         # dynamo traces (compiled regions use the compiler's tagging mode instead).
         return False
 
+    def _suspend(self, on: bool) -> None:
+        """Run ops unrecorded (``on``) or record them again."""
+        self.suspended = on
+        self.general = on or self.budget_run is not None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.suspended or _inference_mode():
-            # An inference_mode block inside a region: its outputs can never be saved for
-            # backward, so there is nothing to record; later ops read them as leaves.
-            return func(*args, **(kwargs or {}))
         info = _OP_INFO_get(id(func)) or op_info(func)
-        if kwargs or not info.plain or self.budget_run is not None:
+        if kwargs or not info.plain or self.general or _inference_mode():
+            if self.suspended or _inference_mode():
+                # An inference_mode block inside a region: its outputs can never be saved
+                # for backward, so there is nothing to record; later ops read them as leaves.
+                return func(*args, **(kwargs or {}))
             return self._record(func, info, args, kwargs or {})
         # The common op, inlined: positional arguments only, writes nothing, draws no
         # random numbers, no collective, no memory budget. No pytree walk; what it keeps
-        # per op is the node, its argument tuple, one NodeOutput per output (shared by the
-        # ops that read it) and the output's facts.
+        # per op is the node (which also stands for its output in the arguments of the ops
+        # that read it), its argument tuple and the output's facts.
         producers = self.producers
         rec = []
         for a in args:
@@ -165,7 +183,7 @@ class RegionRecorder(TorchDispatchMode):
             if cls is Tensor:
                 ref = producers.get(id(a))
                 if ref is not None:
-                    facts = ref.node.outs[ref.index]
+                    facts = ref.outs[ref.index]
                     if facts[0]() is a and a._version == facts[1]:
                         rec.append(ref)
                         continue
@@ -184,7 +202,7 @@ class RegionRecorder(TorchDispatchMode):
         # The shape as a plain tuple: the collector stops tracking a tuple of ints.
         node = OpNode(func, tuple(rec), _NO_KWARGS, self._frames, self.ctx, seq,
                       ((wr, out._version, tuple(out.shape), out.dtype),))
-        producers[id(out)] = NodeOutput(node, 0)
+        producers[id(out)] = node  # the node is the reference to its output 0
         fixed = self.fixed
         decision = fixed if fixed is not None else self.decider(func, args, _NO_KWARGS, out)
         if decision.saves:
@@ -195,7 +213,7 @@ class RegionRecorder(TorchDispatchMode):
         return out
 
     def _node(self, func: Any, rec_args: tuple, rec_kwargs: dict) -> OpNode:
-        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded)
+        node = OpNode(func, rec_args, rec_kwargs, self._frames, self.ctx, self.nodes_recorded, [])
         self.nodes_recorded += 1
         return node
 
@@ -225,7 +243,7 @@ class RegionRecorder(TorchDispatchMode):
         bump = 1 if info.bumps_version and not info.bump_ourselves else 0
         if type(out) is Tensor and not mutated:
             outs.append((_weakref(out), out._version, tuple(out.shape), out.dtype))
-            producers[id(out)] = NodeOutput(node, 0)
+            producers[id(out)] = node
         else:
             outputs = flat_outputs(out)
             # Arguments mutated but not returned are outputs too: later ops read them.
@@ -237,7 +255,7 @@ class RegionRecorder(TorchDispatchMode):
                     # An in-place op's version bump happens after the mode returns.
                     version = t._version + (bump if any(m is t for m in mutated) else 0)
                     outs.append((_weakref(t), version, tuple(t.shape), t.dtype))
-                    producers[id(t)] = NodeOutput(node, i)
+                    producers[id(t)] = NodeOutput(node, i) if i else node
                 else:
                     outs.append(None)
             if prior is not None:
@@ -279,6 +297,8 @@ class RegionRecorder(TorchDispatchMode):
         first = node.decision is None
         was_saved = not first and node.decision.saves
         node.decision = decision
+        if decision.saves:
+            self.saving = True
         if decision.saves and not was_saved:
             values = []
             for facts in node.outs:
@@ -319,12 +339,12 @@ class RegionRecorder(TorchDispatchMode):
         args, kwargs = forward_args(node)
         out = [f[0]() if f is not None else None for f in node.outs]
         output = out[0] if len(out) == 1 else tuple(out)
-        self.suspended = True
+        self._suspend(True)
         try:
             decision = decide(node.frames, node.op, args, kwargs, output, names=node.names,
                               tag=node.tag, tag_region=node.region)
         finally:
-            self.suspended = False
+            self._suspend(False)
         info = op_info(node.op)
         if info.effect is not None:
             decision = self._effect_rule(node, info, decision)
@@ -336,18 +356,19 @@ class RegionRecorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor) -> Any:
         ref = self.producers.get(id(t))  # self.lookup(t), inlined: one call per saved tensor
         if ref is not None:
-            facts = ref.node.outs[ref.index]
+            facts = ref.outs[ref.index]
             if facts[0]() is t and t._version == facts[1]:
                 # A handle of its own: follow_unversioned_write may move it.
-                handle = NodeOutput(ref.node, ref.index)
+                handle = NodeOutput(ref, 0) if type(ref) is OpNode else \
+                    NodeOutput(ref.node, ref.index)
                 self.handles.append(handle)
                 return handle
         if t.grad_fn is not None:
-            self.suspended = True
+            self._suspend(True)
             try:
                 t = t.detach()  # a tensor with history: no cycle through our storage
             finally:
-                self.suspended = False
+                self._suspend(False)
         return ForeignSaved(t, self.frames[-1].name)
 
     # -- region exit ----------------------------------------------------------------------
@@ -367,12 +388,13 @@ class RegionRecorder(TorchDispatchMode):
             self.budget_run = None  # it held the forward's activations until the plan
             self._forget_forward()
             raise
-        needed = needed_nodes(self.handles)
+        count_uses(self.handles, self.decisions)  # a node no handle needs has no uses
         seen: set[int] = set()
-        for node in self.decisions:
+        saving = self.saving or self.budget_run is not None
+        for node in self.decisions if saving else ():
             if not node.decision.saves:
                 continue
-            if id(node) not in needed or node.value is None:
+            if not node.uses or node.value is None:
                 # Saved by policy but no backward asks for it; or a late tag asked to save
                 # an output that had already died, or a PREFER_SAVE value the region
                 # mutated, so the op stays recomputable.
@@ -382,7 +404,9 @@ class RegionRecorder(TorchDispatchMode):
             if all(v is not None for v in node.value):
                 node.args = node.kwargs = None  # never recomputed: its inputs may go
             store_saved(node)
-        if self.kept_effects or self.budget_run is not None:  # judge what the policies said
+        if not self.inert_check:
+            pass  # every policy a value, or one checked already: nothing to warn about
+        elif self.kept_effects or self.budget_run is not None:  # judge what the policies said
             warn_inert_policies([DecidedOp(n.frames, n.op, n.decision.original)
                                  if getattr(n.decision, "original", None) is not None else n
                                  for n in self.decisions])
@@ -406,7 +430,8 @@ def _input_sharing_storage(node: OpNode, t: torch.Tensor) -> torch.Tensor | None
     key = storage_key(t)
     for a in node.args:
         value = a.value if type(a) is LeafRef else (
-            a.node.outs[a.index][0]() if type(a) is NodeOutput and a.node.outs[a.index] else None)
+            a.outs[a.index][0]() if type(a) in (OpNode, NodeOutput) and a.outs[a.index]
+            else None)
         if isinstance(value, torch.Tensor) and storage_key(value) == key:
             return value
     return None

@@ -13,7 +13,7 @@ from .checks import (check_not_mutated, mutated_after_region, stale_leaf, unpack
                      unpack_kept)
 from .graph import (OP_INFO, ForeignSaved, LeafRef, NodeOutput, OpNode, alias_for_saving,
                     flat_outputs, kept_for, map_refs, mutated_tensors, op_info,
-                    recomputes_through_hooks)
+                    recomputes_through_hooks, ref_node)
 
 
 def unpack(packed: Any) -> torch.Tensor:
@@ -24,8 +24,12 @@ def unpack(packed: Any) -> torch.Tensor:
     node = packed.node
     if _CA is not None and _CA.in_compiled_autograd_region:
         return _unpack_progressive(packed)
-    if node.value is not None and node.mutated_by is None:
-        return _unpack_value(node, packed.index)
+    value = node.value
+    if value is not None and node.mutated_by is None:  # (_unpack_value, inlined)
+        versions = node.versions
+        if versions is not None and value[packed.index]._version != versions[packed.index]:
+            raise mutated_after_region(node, packed.index)
+        return value[packed.index]
     if node.kept is not None and node.kept[packed.index] is not None:
         return unpack_kept(node, packed.index)
     ctx = node.ctx
@@ -120,45 +124,58 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
     if target.value is not None and target.mutated_by is None:
         return target.value
     stack = [target]
-    expanded: set[int] = set()
+    push = stack.append
+    pop = stack.pop
     done: list[OpNode] | None = [] if progressive else None
     while stack:
-        node = stack[-1]
-        if node.value is not None:
-            if node.mutated_by is not None:
-                check_not_mutated(node)
-            stack.pop()
-            continue
-        if id(node) not in expanded:
+        node = pop()
+        if node is _INPUTS_READY:  # the node below has its inputs now (no visited set)
+            node = pop()
+        else:
+            if node.value is not None:
+                if node.mutated_by is not None:
+                    check_not_mutated(node)
+                continue
             if node.packed is not None:
                 node.value = _restore_packed(node)
-                stack.pop()
                 continue
-            if node.args is None:
+            args = node.args
+            if args is None:
                 raise CheckpointError(
                     f"the value of {node.describe()} is no longer available: backward needs "
                     f"it again after it was freed. Pass retain_graph=True to the first "
                     f"backward to run backward twice")
-            facts = node.outs[0] if len(node.outs) == 1 else ()
+            outs = node.outs
             # (one output, and dead: the common case, checked without a call)
-            reused = None if facts is not None and facts and facts[0]() is None \
-                else _live_forward_outputs(node)
-            if reused is not None:
-                node.value = reused
-                stack.pop()
-                if done is not None:
-                    done.append(node)
-                continue
-            expanded.add(id(node))
-            pushed = False
-            for dep in node.deps:
+            if len(outs) != 1 or outs[0] is None or outs[0][0]() is not None:
+                reused = _live_forward_outputs(node)
+                if reused is not None:
+                    node.value = reused
+                    if done is not None:
+                        done.append(node)
+                    continue
+            # Its missing inputs above it, then the marker: the node replays after them.
+            push(node)
+            push(_INPUTS_READY)
+            height = len(stack)
+            for a in args:  # ``deps``, inlined for the common plain reference
+                cls = type(a)
+                if cls is OpNode:
+                    dep = a
+                elif cls is NodeOutput:
+                    dep = a.node
+                else:
+                    if (cls is list or cls is tuple) and a:
+                        _push_missing(a, node, push)
+                    continue
                 if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
                         or dep.mutated_by is not None:
-                    stack.append(dep)
-                    pushed = True
-            if pushed:
+                    push(dep)
+            if node.kwargs:
+                _push_missing(node.kwargs.values(), node, push)
+            if len(stack) != height:
                 continue
-        stack.pop()
+            del stack[-2:]  # every input there: replay now
         node.value = _replay(node)
         if done is not None:
             done.append(node)
@@ -169,6 +186,22 @@ def _materialize(target: OpNode, progressive: bool = False) -> list[Any]:
     if done:
         _count_down(done, target)
     return target.value
+
+
+# On _materialize's stack above a node whose inputs are being recomputed.
+_INPUTS_READY: Any = object()
+
+
+def _push_missing(refs: Any, node: OpNode, push: Any) -> None:
+    """``_materialize``'s step for references in a list or keyword arguments: push each
+    node they read whose value is missing (or was mutated: its check raises)."""
+    for a in refs:
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(x) is OpNode or type(x) is NodeOutput:
+                dep = ref_node(x)
+                if (dep.value is None and (dep.kept is None or not kept_for(dep, node))) \
+                        or dep.mutated_by is not None:
+                    push(dep)
 
 
 def _count_down(done: list[OpNode], target: OpNode) -> None:
@@ -238,11 +271,10 @@ def _restore_packed(node: OpNode) -> list[Any]:
     return values
 
 
-def _recomputed_value(ref: NodeOutput) -> Any:
-    node = ref.node
+def _recomputed_value(node: OpNode, index: int) -> Any:
     if node.value is None and node.kept is not None:
-        return unpack_kept(node, ref.index)
-    return _unpack_value(node, ref.index)
+        return unpack_kept(node, index)
+    return _unpack_value(node, index)
 
 
 class _LeafReader:
@@ -261,34 +293,6 @@ class _LeafReader:
 
 def _resolve(a: Any, leaf_value: Any = None) -> Any:
     return map_refs(a, _recomputed_value, leaf_value)
-
-
-def _resolve_args(node: OpNode) -> tuple[tuple, dict]:
-    """The recorded arguments with each reference replaced by its value now."""
-    args = []
-    read = None
-    for a in node.args:  # map_refs, inlined for the common plain reference
-        cls = type(a)
-        if cls is NodeOutput:
-            dep = a.node
-            value = dep.value
-            if value is not None and dep.versions is None:  # recomputed: nothing to check
-                args.append(value[a.index])
-            else:
-                args.append(_recomputed_value(a))
-        elif cls is LeafRef:
-            if a.stale():
-                raise stale_leaf(node, a)
-            args.append(a.value)
-        elif cls is list or cls is tuple:
-            read = read or _LeafReader(node)
-            args.append(_resolve(a, read))
-        else:
-            args.append(a)
-    if not node.kwargs:
-        return tuple(args), {}
-    read = read or _LeafReader(node)
-    return tuple(args), {k: _resolve(v, read) for k, v in node.kwargs.items()}
 
 
 def _copy_mutated(a: Any) -> Any:
@@ -311,20 +315,54 @@ def _call(node: OpNode, info: Any, args: tuple, kwargs: dict) -> Any:
         gen.set_state(current)
 
 
+_Tensor = torch.Tensor
+
+
 def _replay(node: OpNode) -> list[Any]:
-    args, kwargs = _resolve_args(node)
+    # The recorded arguments with each reference replaced by its value now (map_refs,
+    # inlined for the common plain reference: no call per argument).
+    args = []
+    read = None
+    for a in node.args:
+        cls = type(a)
+        if cls is OpNode:  # output 0 of that node
+            value = a.value
+            if value is not None and a.versions is None:  # recomputed: nothing to check
+                args.append(value[0])
+            else:
+                args.append(_recomputed_value(a, 0))
+        elif cls is NodeOutput:
+            dep = a.node
+            value = dep.value
+            if value is not None and dep.versions is None:
+                args.append(value[a.index])
+            else:
+                args.append(_recomputed_value(dep, a.index))
+        elif cls is LeafRef:
+            if not a.snapshot and a.version is not None and a.value._version != a.version:
+                raise stale_leaf(node, a)  # (LeafRef.stale, inlined)
+            args.append(a.value)
+        elif cls is list or cls is tuple:
+            read = read or _LeafReader(node)
+            args.append(_resolve(a, read))
+        else:
+            args.append(a)
     info = OP_INFO[id(node.op)]
-    if info.plain and not kwargs and node.rng is None and len(node.outs) == 1:
-        # The common op (as the recorder's fast path): call it, check its one output.
+    kwargs = {}
+    if not node.kwargs and info.plain and len(node.outs) == 1:
+        # The common op (as the recorder's fast path): call it, check its one output. (A
+        # plain op draws no random numbers: the recorder gave it no generator state.)
         out = info.call(*args)
         facts = node.outs[0]
-        if type(out) is torch.Tensor and facts is not None and out.shape == facts[2] \
+        if type(out) is _Tensor and facts is not None and out.shape == facts[2] \
                 and out.dtype == facts[3] and not node.ctx.stats:
             return [out]
     else:
+        if node.kwargs:
+            read = read or _LeafReader(node)
+            kwargs = {k: _resolve(v, read) for k, v in node.kwargs.items()}
         if info.mutated:
             # Replay writes into copies: saved values, leaves and module buffers stay intact.
-            args = list(args)
             for i in info.mutated:
                 if i >= 0 and i < len(args):
                     args[i] = _copy_mutated(args[i])
@@ -332,7 +370,6 @@ def _replay(node: OpNode) -> list[Any]:
                     name = node.op._schema.arguments[i if i >= 0 else -1 - i].name
                     if name in kwargs:
                         kwargs[name] = _copy_mutated(kwargs[name])
-            args = tuple(args)
         out = _call(node, info, args, kwargs)
     outputs = flat_outputs(out)
     if not info.mutated and not torch.is_grad_enabled() and any(

@@ -13,34 +13,50 @@ import torch
 
 from ..policy import CheckpointError, op_name
 from ..tensor_memory import storage_key, storage_nbytes
-from .graph import NodeOutput, OpNode
+from .graph import NodeOutput, OpNode, ref_node
 from .stats import SavedValueRecord
 
-__all__ = ["needed_nodes", "store_saved", "saved_records", "capture_rng"]
+__all__ = ["count_uses", "store_saved", "saved_records", "capture_rng"]
 
 
-def needed_nodes(handles: Sequence[NodeOutput]) -> dict[int, OpNode]:
-    """Nodes some handle needs: its own node, and inputs of nodes that will be recomputed.
+def count_uses(handles: Sequence[NodeOutput], nodes: Sequence[OpNode]) -> None:
+    """Count ``OpNode.uses``, how often one backward reads each node: once per handle, once
+    per recomputed node that reads it (compiled autograd's progressive release). A node
+    some handle needs (its own node, or an input of a node that will be recomputed) is one
+    with ``uses`` > 0 afterwards (nodes are fresh per region call: every count starts at 0).
 
-    Also counts ``OpNode.uses``, how often one backward reads each node: once per handle,
-    once per recomputed node that reads it (compiled autograd's progressive release)."""
-    needed: dict[int, OpNode] = {}
-    stack = []
+    ``nodes``: the region's nodes in recording order, which is topological (a node reads
+    only nodes recorded before it). Swept from the last, each node's count is final when
+    it is reached: no stack, no visited set."""
+    if not handles:
+        return  # backward reads nothing of the region
     for handle in handles:
-        node = handle.node
-        node.uses += 1
-        stack.append(node)
-    while stack:
-        node = stack.pop()
-        if id(node) in needed:
-            continue
-        needed[id(node)] = node
-        if not (node.decision is not None and node.decision.saves and node.value is not None):
-            deps = node.deps
-            for dep in deps:
-                dep.uses += 1
-            stack.extend(deps)
-    return needed
+        handle.node.uses += 1
+    for node in reversed(nodes):
+        if not node.uses:
+            continue  # no backward reads it
+        args = node.args
+        if args is None or (node.value is not None and node.decision is not None
+                            and node.decision.saves):
+            continue  # saved (or never recomputed): its inputs are not read
+        for a in args:  # ``deps``, inlined for the common plain reference
+            cls = type(a)
+            if cls is OpNode:
+                a.uses += 1
+            elif cls is NodeOutput:
+                a.node.uses += 1
+            elif (cls is list or cls is tuple) and a:
+                _use_all(a)
+        if node.kwargs:
+            _use_all(node.kwargs.values())
+
+
+def _use_all(refs: Any) -> None:
+    """``count_uses``'s step for references in a list or keyword arguments."""
+    for a in refs:
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(x) is OpNode or type(x) is NodeOutput:
+                ref_node(x).uses += 1
 
 
 def _call_pack(node: OpNode, value: torch.Tensor) -> Any:
