@@ -169,3 +169,73 @@ def test_memory_budget_saves_less_and_lowers_the_peak():
     assert half.activation_bytes < full.activation_bytes
     assert half_peak <= full_peak, (half_peak, full_peak)
     assert _rel(grads, ref) <= 1e-3
+
+
+def _stack_step_peak(model, x, step_fn=None):
+    from sac_compile.measured_peak import measured_peak
+    for p in [*model.parameters(), x]:
+        p.grad = None
+    with measured_peak(DEVICE) as m:
+        (step_fn or model)(x).backward()
+    return m.bytes
+
+
+def test_eager_peak_budget_holds_on_the_device_allocator():
+    """Issue 27 on CUDA: ``apply_regions(..., memory_budget=PeakBudget(n))`` in eager mode,
+    issue 17's stack on the device, ``n`` halfway between the least measured peak
+    (``recompute_all``) and no budget's: after calibration the step's
+    ``max_memory_allocated`` above its start is at most ``n`` and at least 85% of it."""
+    import sac_compile as sc
+    from fixtures.stack import Block, Stack, stack_inputs
+    from sac_compile import PeakBudget
+    from sac_compile.budgets.step_peak import MAX_STEPS
+    from sac_compile.regions import step_peak_of
+
+    relaxed = policies.relaxed(policies.save_matmuls)
+    x = stack_inputs().detach().to(DEVICE).requires_grad_(True)
+    bounds = []
+    for policy in ("recompute_all", relaxed):
+        model = sc.apply_regions(Stack(6, checkpoint="none").to(DEVICE), policy, where=Block)
+        model(x).backward()
+        bounds.append(_stack_step_peak(model, x))
+    n = sum(bounds) // 2
+    model = sc.apply_regions(Stack(6, checkpoint="none").to(DEVICE), relaxed, where=Block,
+                             memory_budget=PeakBudget(n))
+    ctrl = step_peak_of(model)
+    for _ in range(2 * MAX_STEPS + 2):
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        model(x).backward()
+        if all(f.done for f in ctrl.fits.values()):
+            break
+    model(x)
+    peak = _stack_step_peak(model, x)
+    print(f"eager PeakBudget on CUDA: least {bounds[0]:,} B, free {bounds[1]:,} B, "
+          f"n {n:,} B, measured {peak:,} B; {ctrl.notes[-1]}")
+    assert 0.85 * n <= peak <= n, (bounds, n, peak, ctrl.notes)
+
+
+def test_inductor_peak_budget_trial_holds_on_the_device_allocator():
+    """Issue 27 on CUDA: ``make_backend(memory_budget=PeakBudget(n))`` under Inductor, its
+    split measured by a trial step before the first (parameters aliased, not copied):
+    the user's step then measures within ``n``, as the report's ``budget_measured``."""
+    from fixtures.stack import Stack, stack_inputs
+    from sac_compile import PeakBudget
+
+    relaxed = policies.relaxed(policies.save_matmuls)
+    torch._dynamo.reset()
+    x = stack_inputs().detach().to(DEVICE).requires_grad_(True)
+    model = Stack(6, policy=relaxed).to(DEVICE)
+    free_fn = torch.compile(model, backend=make_backend())
+    free_fn(x).backward()
+    free = _stack_step_peak(model, x, free_fn)
+    n = int(0.8 * free)
+    torch._dynamo.reset()
+    reports = []
+    fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(n),
+                                                   on_partition=reports.append))
+    fn(x).backward()
+    peak = _stack_step_peak(model, x, fn)
+    print(f"Inductor PeakBudget on CUDA: free {free:,} B, n {n:,} B, measured {peak:,} B, "
+          f"trial {reports[-1].budget_measured}")
+    assert peak <= n and reports[-1].budget_measured is not None, (free, n, peak)
