@@ -86,6 +86,9 @@ class MeasuredSteps:
         self._solved: dict = {}    # step signature -> the cap its plans were priced at
         self._compiles = 0         # graphs of its blocks compiled before this step
 
+    def __reduce__(self) -> Any:  # pickled (torch.save of the model): measured afresh
+        return (MeasuredSteps, (self.controller,))
+
     def __copy__(self) -> MeasuredSteps:  # copies of the model share the budget
         return self
 

@@ -379,3 +379,31 @@ def test_a_users_profiler_started_during_a_calibration_step_is_not_a_measurement
     assert all(p > 0 for fit in ctrl.fits.values() for _, _, p in fit.tries), ctrl.notes
     assert any("disturbed" in note for note in ctrl.notes), ctrl.notes
     assert all(f.cap < 2_000_000 for f in ctrl.fits.values())
+
+
+def test_a_saved_model_and_a_second_model_each_calibrate(bounds):
+    """``torch.save`` of a model mid-calibration loads and calibrates afresh (a running
+    measurement is not pickled); called in turn, each model's step start ends the other's
+    measurement left running (its backward over: decided on then), so both reach their
+    caps."""
+    import io
+    least, free = bounds
+    n = (least + free) // 2
+    x = stack_inputs()
+    model = _stack(PeakBudget(n))
+    model(x).backward()  # measuring, until its next call
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert step_peak_of(loaded) is not step_peak_of(model)
+    for _ in range(2 * step_peak.MAX_STEPS):
+        for m in (loaded, model):
+            for p in [*m.parameters(), x]:
+                p.grad = None
+            m(x).backward()
+    for m in (loaded, model):
+        m(x)
+        ctrl = step_peak_of(m)
+        assert all(f.done for f in ctrl.fits.values()), ctrl.notes
+        assert _measured_step(m, x) <= n

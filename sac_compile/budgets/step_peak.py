@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from typing import Any
 
 from .model import ModelBudget
@@ -59,6 +60,7 @@ __all__ = ["StepPeak", "MAX_STEPS", "USED"]
 MAX_STEPS = 6   # measured steps per signature at most
 USED = 0.9      # done once a step within the budget uses this much of it
 _END = "after the step"  # the measurement's mark at the end of the step's backward
+_RUNNING: list[Any] = [None]  # a weak reference to the controller measuring now
 
 log = logging.getLogger("sac_compile")
 
@@ -97,6 +99,7 @@ class StepPeak:
         self._measuring: contextlib.ExitStack | None = None
         self._measured: Any = None    # the MeasuredPeak of the step being measured
         self._kept: int | None = None  # its regions' kept bytes, once its backward ended
+        self._pending: Exception | None = None  # decided while another model's step began
         self.notes: list[str] = []
 
     # -- the step's start and end (sac_compile.regions) ------------------------------------
@@ -107,6 +110,9 @@ class StepPeak:
         regions get; measured if its signature is still being fitted. Raises
         :class:`BudgetUnreachableError` where the last step, at the least the regions
         keep, measured above the budget."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
         self._finish()
         self.step += 1
         with self.model.lock:
@@ -223,6 +229,9 @@ class StepPeak:
             budget=self.budget, least=peak, unconstrained=max(peak, self.unconstrained()),
             note="the peak counts every tensor the step allocates, gradients included")
 
+    def __reduce__(self) -> Any:  # (a running measurement does not pickle; what the
+        return (StepPeak, (self.budget, self.model))  # steps found is found again)
+
     def close(self) -> None:
         """Stop a measurement left running (a calibration step whose model is not called
         again); the step is not decided on."""
@@ -239,6 +248,9 @@ class StepPeak:
     def _start(self, device: Any) -> None:
         from ..measured_peak import measured_peak
         from ..torch_internals import profiler_enabled
+        other = _RUNNING[0]() if _RUNNING[0] is not None else None
+        if other is not None and other is not self and other._measuring is not None:
+            other._ended_by_another()
         if getattr(device, "type", "cpu") == "cpu" and profiler_enabled():
             self._note(f"{self.budget.label()}: step {self.step} not measured (a profiler "
                        f"is running, and the CPU measurement is one)")
@@ -246,6 +258,22 @@ class StepPeak:
         stack = contextlib.ExitStack()
         self._measured = stack.enter_context(measured_peak(device))
         self._measuring = stack
+        _RUNNING[0] = weakref.ref(self)
+
+    def _ended_by_another(self) -> None:
+        """Another model's step starts while this one's measurement runs (left running
+        until this model's next call): a step whose backward ended is decided on now (an
+        error it raises waits for this model's next call); one still running is not (it
+        is measured again)."""
+        if self._kept is None:
+            self._stop()
+            self._note(f"{self.budget.label()}: step {self.step}'s measurement was ended by "
+                       f"another model's step; measured again")
+            return
+        try:
+            self._finish()
+        except Exception as e:  # noqa: BLE001 - this model's error, raised at its next call
+            self._pending = e
 
     def _stop(self) -> None:
         stack, self._measuring = self._measuring, None
