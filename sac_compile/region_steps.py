@@ -116,14 +116,12 @@ class MeasuredSteps:
                 controller.reopen()
         cap = controller.begin(signature, device)
         self._compiles = model.compiles
-        changed = cap != model.nbytes
+        changed = model.set_cap(cap)
         if self._solved.get(signature) != cap:  # this signature's plans: of another cap
             pattern = self._patterns.get(signature)
             reprice(model, cap, pattern)
             if pattern:
                 self._solved[signature] = cap
-        else:
-            model.set_cap(cap)
         if changed:  # blocks compiled one by one: compiled again at the new cap
             with model.lock:
                 model.rekey |= set(model.kinds)

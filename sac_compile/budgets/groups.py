@@ -166,18 +166,13 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         # from the blocks' kinds and the price over them (kinds.py).
         group.partial = group.model is not None and bool(set(group.model.members) -
                                                          names[key])
-        peak = group.model.step_peak if group.model is not None else None
-        if peak is not None and not group.partial:
+        if group.model is not None and group.model.step_peak is not None and \
+                not group.partial:
             # (blocks compiled one by one run under the model's eager hooks, which measure
             # the step; a graph holding every block runs them traced: nothing would)
-            raise CompiledCheckpointError(
-                f"regions {', '.join(sorted(names[key])[:3])}: apply_regions(memory_budget="
-                f"{peak!r}) is held by measuring eager steps, and the whole model is being "
-                f"compiled as one graph, whose steps nothing measures. Give the peak budget "
-                f"to the backend instead: apply_regions(model, policy, where=...) without a "
-                f"memory_budget, and torch.compile(model, backend=make_backend("
-                f"memory_budget={peak!r})) (its step is measured at compile time); or "
-                f"compile the blocks one by one (block.compile(...)), which this budget holds")
+            raise group.model.hooks_traced_error(
+                f"regions {', '.join(sorted(names[key])[:3])}", "the whole model is being "
+                "compiled as one graph, which runs them traced")
     return list(groups.values())
 
 
@@ -252,16 +247,14 @@ def solve_with_region_budgets(net: FlowNetwork, groups: list[BudgetGroup],
         low = cut_at(net, problem, w_min, solver, edges)
         least = group_bytes(low.kept, low.w, low.recomputed, members)
         cap = group.cap(least, most)
-        stepped = group.model is not None and group.model.step_peak is not None
-        if stepped and least > cap:  # a measured step's cap: below the least, the least
+        peak = group.model.step_peak if group.model is not None else None
+        if (even or peak is not None) and least > cap:  # the least they can, not an error
             extra.append(f"{group.label}: the least these blocks can keep, "
-                         f"{fmt_bytes(least)}, is above the cap {fmt_bytes(cap)} the measured "
-                         f"steps of {group.model.step_peak.label()} set; they keep it")
-            cap = least
-        if even and least > cap:  # the even split before the price: what it can
-            extra.append(f"{group.label}: the least these blocks can keep, "
-                         f"{fmt_bytes(least)}, is above the even split "
-                         f"{fmt_bytes(cap)}; they keep it until the price is found")
+                         f"{fmt_bytes(least)}, is above " + (
+                             f"the cap {fmt_bytes(cap)} the measured steps of "
+                             f"{peak.label()} set; they keep it" if peak is not None else
+                             f"the even split {fmt_bytes(cap)}; they keep it until the "
+                             f"price is found"))
             cap = least
         if least > cap * (1 + 1e-9) + 1:  # (torch's meaning: never, cap >= least)
             _unreachable(net, group, low, members, cap, least, most)

@@ -122,17 +122,23 @@ class ModelBudget:
         :class:`~sac_compile.errors.CompiledCheckpointError`, since nothing measures."""
         with self.lock:
             if self.step_peak is not None and not self.steps_begun:
-                from ..errors import CompiledCheckpointError
-                raise CompiledCheckpointError(
-                    f"apply_regions(memory_budget={self.step_peak!r}) is held by measuring "
-                    f"steps, marked by the model's forward hooks, and those hooks were "
-                    f"compiled with the model (its compile has graph breaks between the "
-                    f"blocks of {self.members[0]!r}...): nothing would measure a step. Give "
-                    f"the peak budget to the backend instead: apply_regions without a "
-                    f"memory_budget and torch.compile(model, backend=make_backend("
-                    f"memory_budget={self.step_peak!r})); or compile the blocks one by one "
-                    f"(block.compile(...)), which this budget holds")
+                raise self.hooks_traced_error(
+                    f"regions of {self.members[0]!r}...", "those hooks were compiled with "
+                    "the model (its compile has graph breaks between the blocks)")
             self.graph_runs[kind] += calls
+
+    def hooks_traced_error(self, regions: str, how: str) -> Exception:
+        """The error for a step-peak budget whose step hooks run traced (``how``): nothing
+        would measure a step (a model compiled whole; around graph breaks)."""
+        from ..errors import CompiledCheckpointError
+        return CompiledCheckpointError(
+            f"{regions}: apply_regions(memory_budget={self.step_peak!r}) is held by measuring "
+            f"steps, marked by the model's forward hooks, and {how}: nothing would measure "
+            f"a step. Give the peak budget to the backend instead: apply_regions(model, "
+            f"policy, where=...) without a memory_budget, and torch.compile(model, "
+            f"backend=make_backend(memory_budget={self.step_peak!r})) (its step is measured "
+            f"at compile time); or compile the blocks one by one (block.compile(...)), which "
+            f"this budget holds")
 
     def count_step(self) -> set[str]:
         """A step is over (the model is called again): the kinds whose compiled graphs made
