@@ -376,3 +376,49 @@ def test_fast_rule_against_enumeration_on_small_graphs(n, exact_each, monkeypatc
             continue
         assert exact[0] <= fast[0] <= 1.01 * exact[0], (cap, exact, fast)
         assert fast[1] == exact[1], (cap, exact, fast)
+
+
+@pytest.mark.parametrize("fraction", [0.94, 0.96])
+def test_the_split_does_not_depend_on_which_trace_of_the_program_it_is(fraction, monkeypatch):
+    """The same joint graph traced again (here: deep copies, new node objects) gets the
+    same cut under a PeakBudget as Inductor's peak model sees it. Identical blocks tie, and
+    a tie broken by the order of a set of nodes (hashed by identity) made the cut - and
+    the measured peak of the code Inductor made from it - differ from one compile of the
+    same model to the next (HF GPT-2 under Inductor at one budget measured 30.2, 30.9 or
+    31.8 MB, and was called out of reach one time in three)."""
+    import copy
+
+    from sac_compile._bench.models import GPT
+    from sac_compile.compiler import partition
+
+    captured = []
+    real = SACPartitioner._partition
+
+    def capture(self, gm, joint_inputs, **kwargs):
+        if not captured:
+            captured.append((self, copy.deepcopy(gm), kwargs))
+        return real(self, gm, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(SACPartitioner, "_partition", capture)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = GPT(d=32, n_heads=4, n_layers=4, d_out=8), torch.randn(4, 64, 32)
+    for i, block in enumerate(model.blocks):
+        sc.sac_region(RELAXED, name=f"blocks.{i}")(block)
+    torch.compile(lambda x: model(x).sum(), backend=make_backend(compiler="aot_eager"))(
+        x).backward()
+    partitioner, traced, kwargs = captured[0]
+    cuts = []
+    for _ in range(5):  # the decision of the split, as under Inductor, on a new trace each
+        gm = copy.deepcopy(traced)
+        partition._prune(gm, partitioner.cse)
+        partition.normalize_tags(gm)
+        static = partition.static_inputs(gm.graph, kwargs.get("static_lifetime_input_indices")
+                                         or [])
+        net, stand_ins = partition.flow_network(gm, kwargs["num_fwd_outputs"], static,
+                                                partitioner.cost_model, partition.HookTraces())
+        cut = partition.choose_cut(gm, net, stand_ins, PeakBudget(fraction),
+                                   partitioner.solver, fusing=True)
+        cuts.append((sorted(v.name for v in cut.saved), cut.peak_fit.peak))
+    assert cut.peak_fit.peak < cut.peak_fit.unconstrained_peak
+    assert all(c == cuts[0] for c in cuts), [(len(s), p) for s, p in cuts]

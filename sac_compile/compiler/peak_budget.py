@@ -217,8 +217,12 @@ def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
     kept = set(res.saved)
     cost, again = _recompute_cost(net, kept)
     idx = net.cls.index
-    order = (lambda v: -costs.nbytes(v)) if lower_peak else \
-        (lambda v: -net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]]))
+    # Ties (identical blocks) go to the later value first: its block's backward runs
+    # first, while the earlier blocks' kept values are alive. Never to ``again``'s order:
+    # a set of nodes, hashed by identity, its order differs from one trace of the same
+    # program to the next, and so did the split and the peak Inductor's code measured.
+    order = (lambda v: (-costs.nbytes(v), -idx[v])) if lower_peak else \
+        (lambda v: (-net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]]), -idx[v]))
     pool = sorted((v for v in again if v.op == "call_function" and not costs.is_view(v)
                    and net.save_cost[idx[v]] not in (0, INF)), key=order)
     added: list[fx.Node] = []
