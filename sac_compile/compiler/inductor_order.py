@@ -90,7 +90,11 @@ def inductor_order(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool
     ancestry = {n: above[n] for n in kernels}  # a group's ancestors
     bits = {n: 1 << index[n] for n in kernels}
     fused: dict[int, list[fx.Node]] = {}  # the groups of more than one, by their bits
+    # Ties by the pair's place in the walk, never by ``pairs``' order: that follows sets of
+    # storage keys (``reads``), whose order is the strings' hashes', which differ from one
+    # process to the next (PYTHONHASHSEED), and so would the fusions and the peak modelled.
     for (a, b), shared in sorted(pairs.items(), key=lambda p: (-p[1], index[p[0][1]] -
+                                                               index[p[0][0]],
                                                                index[p[0][0]])):
         ga, gb = group[a], group[b]
         if shared < MIN_SHARED or ga is gb or len(ga) + len(gb) > MAX_FUSED:

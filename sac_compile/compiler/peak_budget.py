@@ -199,8 +199,10 @@ def _recompute_cost(net: FlowNetwork, kept: set[fx.Node]) -> tuple[float, set[fx
     upstream ban it lifts at its cost)."""
     again = recomputed_by(net.cls, kept)
     idx = net.cls.index
+    # Summed in graph order, never ``again``'s (a set of nodes, hashed by identity): float
+    # sums in another order can differ in the last bit, and the put-back compares them.
     return sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
-               for v in again), again
+               for v in sorted(again, key=idx.__getitem__)), again
 
 
 def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
@@ -240,15 +242,15 @@ def _put_back(gm: fx.GraphModule, net: FlowNetwork, best: _Candidate,
             added.append(v)
     if not added:
         return best
-    rng = sum(net.recompute_bytes.get(idx[v], 0.0) for v in again)
-    acts = [v for v in kept if v.op != "placeholder"]
+    # (graph order, as everywhere here: ``kept``, ``again`` and ``before`` are sets of nodes)
+    rng = sum(net.recompute_bytes.get(idx[v], 0.0) for v in sorted(again, key=idx.__getitem__))
     saved = [v for v in net.cls.nodes if v in kept]
-    _, before = _recompute_cost(net, set(res.saved))
+    acts = [v for v in saved if v.op != "placeholder"]
+    before_cost, _ = _recompute_cost(net, set(res.saved))
     solved = dataclasses.replace(
         res, saved=saved, activation_bytes=int(sum(net.device_bytes(acts, res.weight)) + rng),
         evicted=[v for v in res.evicted if v not in kept],
-        cost=res.cost - (sum(net.lifted_under_budget.get(idx[v], net.recompute_cost[idx[v]])
-                             for v in before) - cost),
+        cost=res.cost - (before_cost - cost),
         method=f"{res.method}, {len(added)} values put back under the peak")
     return dataclasses.replace(best, solved=(solved, best.solved[1]), peak=peak)
 

@@ -108,7 +108,7 @@ def _function_refs(fn: types.FunctionType) -> list[Any]:
         except ValueError:  # an empty cell
             pass
     refs += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
-    names = set(_code_names(fn.__code__))
+    names = list(dict.fromkeys(_code_names(fn.__code__)))  # (code order: a set's varies)
     level = [fn.__globals__[n] for n in names if n in fn.__globals__]
     for _ in range(_DEPTH):
         modules = [v for v in level if isinstance(v, types.ModuleType)]
