@@ -20,8 +20,11 @@ printed per torch point: ours / torch, peak and FLOPs. ``--plot`` writes
 ``--compiler eager``: our eager regions instead (``apply_regions(...,
 memory_budget=PeakBudget(n))``, held by measuring its first steps,
 ``sac_compile.budgets.step_peak``): no budget, ``recompute_all`` (full AC, ours), then
-PeakBudget at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's, with
-the ops the backward replayed (no FLOPs column).
+PeakBudget at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's, each
+twice: caps placed in time (the default: per depth of the calls holding their values,
+``sac_compile.budgets.nested``) and one cap over the step (``step_peak.PLACED = False``,
+the former rule), with the FLOPs the backward recomputed (the replayed ops' FLOPs, counted
+as the compiler counts them) and the ops it replayed.
 
     python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor|eager]
         [--size bench] [--json out.json] [--plot]
@@ -91,12 +94,12 @@ def sweep(model: str, size: str, compiler: str) -> list[tuple[str, StepPoint, St
 
 def eager_sweep(model: str, size: str) -> list[tuple[str, StepPoint, StepPoint | None]]:
     """Ours in eager mode: no budget, full AC (``recompute_all``), and PeakBudget at three
-    measured peaks between them (the replayed ops in the FLOPs column)."""
+    measured peaks between them, placed in time and under one cap."""
+    from sac_compile.budgets import step_peak
     ref = reference_step(model, size)
     relaxed = policies.relaxed(policies.save_matmuls)
 
     def show(label: str, p: StepPoint) -> StepPoint:
-        # (the GFLOPs column stays empty: eager counts the ops it replays)
         print(row(model, label, p) + f"  {p.replayed} ops replayed" +
               (f", after {p.steps} steps" if p.steps else ""), flush=True)
         return p
@@ -109,12 +112,18 @@ def eager_sweep(model: str, size: str) -> list[tuple[str, StepPoint, StepPoint |
         return out
     for f in (0.0, 0.5, 0.9):
         n = full.measured + int(f * (free.measured - full.measured))
-        mine = show(f"  ours eager, PeakBudget({n})",
-                    run_eager_step(model, size, relaxed, budget=PeakBudget(n), reference=ref))
-        if mine.measured is not None:
-            print(f"{'':6s}   measured / budget {mine.measured / n:.3f}; ops replayed / full "
-                  f"AC's {mine.replayed / max(full.replayed or 1, 1):.2f}", flush=True)
-        out.append((f"PeakBudget({n})", full, mine))
+        for placed in (True, False):
+            step_peak.PLACED = placed
+            how = "placed in time" if placed else "one cap"
+            try:
+                mine = show(f"  ours eager, PeakBudget({n}), {how}", run_eager_step(
+                    model, size, relaxed, budget=PeakBudget(n), reference=ref))
+            finally:
+                step_peak.PLACED = True
+            if mine.measured is not None:
+                print(f"{'':6s}   measured / budget {mine.measured / n:.3f}; FLOPs / full AC's "
+                      f"{(mine.flops or 0) / max(full.flops or 1, 1):.3f}", flush=True)
+            out.append((f"PeakBudget({n}), {how}", full, mine))
     return out
 
 

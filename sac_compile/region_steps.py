@@ -85,6 +85,7 @@ class MeasuredSteps:
         self._patterns: dict = {}  # step signature -> its region calls (the last step's)
         self._solved: dict = {}    # step signature -> the cap its plans were priced at
         self._compiles = 0         # graphs of its blocks compiled before this step
+        self._region_calls = 0     # region calls begun in this step (their marks' numbers)
 
     def __reduce__(self) -> Any:  # pickled (torch.save of the model): measured afresh
         return (MeasuredSteps, (self.controller,))
@@ -98,7 +99,7 @@ class MeasuredSteps:
     def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        from .runtime.model_budget import last_calls, reprice
+        from .runtime.model_budget import last_calls, reprice, reprice_nested
         leaves = [a for a in pytree.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)]
         signature = tuple((tuple(a.shape), a.dtype, a.device.type) for a in leaves)
@@ -115,7 +116,16 @@ class MeasuredSteps:
                 self._solved[last] = model.nbytes  # at its cap: a pattern its plans lacked
                 controller.reopen()
         cap = controller.begin(signature, device)
-        self._compiles = model.compiles
+        self._compiles, self._region_calls = model.compiles, 0
+        fit = controller.fits[signature]
+        if fit.prefix_caps is not None:  # caps placed in time (budgets/nested.py)
+            placed = ("prefix", tuple(fit.prefix_caps))
+            if self._solved.get(signature) == placed or reprice_nested(
+                    model, fit.order, fit.prefix_caps):
+                self._solved[signature] = placed
+                self._prices = len(model.notes)
+                return None
+            fit.order = fit.prefix_caps = None  # (the calls changed: one cap over the step)
         changed = model.set_cap(cap)
         if self._solved.get(signature) != cap:  # this signature's plans: of another cap
             pattern = self._patterns.get(signature)
@@ -144,8 +154,32 @@ class MeasuredSteps:
             o.register_hook(reached)
         return None
 
+    def region_entered(self, module: nn.Module, args: Any) -> None:
+        """A region's forward pre-hook: the step's k-th region call begins (a mark)."""
+        if torch.compiler.is_compiling() or not self.controller.measuring():
+            return None
+        self._region_calls += 1
+        self.controller.mark(f"f{self._region_calls}")
+        return None
+
+    def region_left(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A region's forward hook: when the backward reaches the call's outputs, its
+        backward begins (a mark): until then the call holds what it keeps."""
+        if torch.compiler.is_compiling() or not self.controller.measuring():
+            return None
+        phase, marked = f"b{self._region_calls}", []
+
+        def reached(grad: torch.Tensor) -> None:
+            if not marked:
+                marked.append(True)
+                self.controller.mark(phase)
+        for o in pytree.tree_leaves(output):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(reached)
+        return None
+
     def _ended(self, step: int) -> None:
-        from .runtime.model_budget import step_kept
+        from .runtime.model_budget import step_kept, step_order
         if self.controller.step == step:
             model = self.controller.model
             kept = step_kept(model)
@@ -154,4 +188,4 @@ class MeasuredSteps:
                 if not kept and ran:  # what their splits keep (each block's share)
                     kept = sum(model.shares.values())
                 compiled = model.compiles != self._compiles
-            self.controller.end(kept, compiled=compiled)
+            self.controller.end(kept, compiled=compiled, calls=step_order(model))

@@ -229,6 +229,9 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
             if budget is not None else None
         sac_region(policy, name=region_name, allow_cache_entry_mutation=allow_cache_entry_mutation,
                    memory_budget=own)(module)
+        if peak is not None:  # where each call holds its values, in the measured steps
+            module.register_forward_pre_hook(measured.region_entered)
+            module.register_forward_hook(measured.region_left)
     return model
 
 

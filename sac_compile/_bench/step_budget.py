@@ -185,6 +185,7 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
         point.proposed = getattr(e, "proposed_budget", None)
         return point
     point.measured, point.replayed = m.bytes, len(stats.recomputed_ops)
+    point.flops = stats.recomputed_flops
     point.kept = sum(r.nbytes for r in stats.saved)
     if reference is not None:
         largest = max(float(g.abs().max()) for g in reference.values())

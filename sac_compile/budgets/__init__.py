@@ -7,6 +7,8 @@ and the shared core below the package, :mod:`sac_compile.cut` included):
 ==================  =========================================================================
 ``step_peak``       a :class:`PeakBudget` over eager steps: the whole-model kept-byte cap
                     set from measured step peaks
+``nested``          kept bytes placed in time: per call a cut, each prefix of the step's
+                    calls within its cap (a dynamic program over the price search's cuts)
 ``groups``          per-region caps in one split (ours and torch's), by the exact program
 ``kinds``           a whole-model budget over graphs compiled one by one: the price over
                     the block kinds

@@ -27,6 +27,15 @@ from measured steps, per step signature (the shapes and dtypes the model is call
    are measured again, from the cap it had. That step itself was not measured: a pattern
    is known only once it ran.
 
+4. Placed in time (:mod:`.nested`, eager calls each run once per step): a measured step
+   also marks each region call's forward and the backward's arrival at its outputs, so it
+   says, per depth ``d`` (the first ``d`` calls holding their values), what the step held
+   beside them; each prefix of the calls' kept bytes gets ``n`` less that as its cap, and the
+   plan is the cheapest cut per call with every prefix within its cap. One cap over the
+   step meets its tightest moment only: a step that peaks late in the backward (an
+   embedding's gradient) has the last blocks' values freed by then, and they may be kept.
+   Done when a step within ``n`` leaves no cap to raise. :data:`PLACED` False: one cap.
+
 Why measured and not modelled: the eager step's peak is every tensor the program holds
 (parameters' gradients as they are made, the loss, temporaries of each op, what other
 code around the regions keeps), and a block that runs twice or is skipped is whatever the
@@ -48,7 +57,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
+import math
 import weakref
 from typing import Any
 
@@ -59,6 +70,7 @@ __all__ = ["StepPeak", "MAX_STEPS", "USED"]
 
 MAX_STEPS = 6   # measured steps per signature at most
 USED = 0.9      # done once a step within the budget uses this much of it
+PLACED = True   # caps placed in time where the steps' marks allow (.nested); False: one cap
 _END = "after the step"  # the measurement's mark at the end of the step's backward
 _RUNNING: list[Any] = [None]  # a weak reference to the controller measuring now
 
@@ -73,6 +85,13 @@ class _Fit:
     tries: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     #                             (cap, bytes kept, measured peak) per measured step
     done: bool = False
+    # Placed in time (.nested): the region calls in the order they ran (each once), the
+    # cap on each prefix of them, and per measured step the prefix caps it ran at (None:
+    # one cap over the step); per depth the least prefix a step measured above n with.
+    order: list[Any] | None = None
+    prefix_caps: list[float] | None = None
+    tried_caps: list[list[float] | None] = dataclasses.field(default_factory=list)
+    over_prefix: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def within(self, n: int) -> list[tuple[int, int, int]]:
         return [t for t in self.tries if t[2] <= n]
@@ -99,6 +118,7 @@ class StepPeak:
         self._measuring: contextlib.ExitStack | None = None
         self._measured: Any = None    # the MeasuredPeak of the step being measured
         self._kept: int | None = None  # its regions' kept bytes, once its backward ended
+        self._calls: list[tuple[Any, int]] = []  # its region calls, in order, and their bytes
         self._pending: Exception | None = None  # decided while another model's step began
         self.notes: list[str] = []
 
@@ -139,7 +159,16 @@ class StepPeak:
         """Whether the step begun is measured (its backward's end must be reported)."""
         return self._measured is not None and self._kept is None
 
-    def end(self, kept: int, *, compiled: bool = False) -> None:
+    def mark(self, phase: str) -> None:
+        """A region call's forward begins (``f<k>``, the step's k-th call) or the backward
+        reaches its outputs (``b<k>``), in the step being measured: where the step held
+        what, for the caps placed in time (:mod:`.nested`)."""
+        if self._measured is not None and self._kept is None and \
+                phase not in self._measured.starts:
+            self._measured.mark(phase)
+
+    def end(self, kept: int, *, compiled: bool = False,
+            calls: list[tuple[Any, int]] | None = None) -> None:
         """The step's backward is over, its regions kept ``kept`` bytes: the measurement
         marks the step's end (what follows, an optimizer step, is not the step's); a step
         that ``compiled`` its blocks is not decided on (the next is measured). The
@@ -148,11 +177,12 @@ class StepPeak:
         backward (it restores the thread's state it began with)."""
         if self._measured is not None and self._kept is None:
             self._kept = -1 if compiled else kept
+            self._calls = list(calls or [])
             self._measured.mark(_END)
 
     def _finish(self) -> None:
         """Stop measuring; a step whose backward ended is decided on."""
-        m, kept, signature = self._measured, self._kept, self.signature
+        m, kept, signature, calls = self._measured, self._kept, self.signature, self._calls
         self._stop()
         if m is not None and kept is not None and kept < 0:
             self._note(f"{self.budget.label()}: step {self.step} compiled blocks (not "
@@ -162,7 +192,8 @@ class StepPeak:
             self._note(f"{self.budget.label()}: step {self.step}'s measurement was "
                        f"disturbed (another profiler started during it); measured again")
         elif m is not None and kept is not None:
-            self._decide(self.fits[signature], kept, m.peak("step"))
+            peak = max(top for phase, top in m.phases.items() if phase != _END)
+            self._decide(self.fits[signature], kept, peak, m, calls)
 
     def unconstrained(self) -> int:
         """What the regions keep without a budget, as far as the last price knows."""
@@ -175,9 +206,76 @@ class StepPeak:
 
     # -- deciding ---------------------------------------------------------------------------
 
-    def _decide(self, fit: _Fit, kept: int, peak: int) -> None:
+    def _decide(self, fit: _Fit, kept: int, peak: int, m: Any = None,
+                calls: list[tuple[Any, int]] | None = None) -> None:
+        least = fit.cap == 0 and fit.prefix_caps is None
+        # (a step at the least above n bounds nothing: its first step at a signature also
+        # allocates what a program makes once)
+        caps = self._prefix_caps(fit, m, calls, bound=not least) \
+            if m is not None and calls and PLACED else None
+        if caps is None or (peak > self.n and least):
+            # one cap over the step: no marks (blocks compiled), a call run twice; or the
+            # regions' least measured above n (nothing placed in time lowers it)
+            fit.order = fit.prefix_caps = None
+            return self._decide_one_cap(fit, kept, peak)
         n = self.n
         fit.tries.append((fit.cap, kept, peak))
+        fit.tried_caps.append(fit.prefix_caps)
+        within = [(t, c) for t, c in zip(fit.tries, fit.tried_caps) if t[2] <= n]
+        best = max(within, key=lambda tc: tc[0][1]) if within else None
+        full = kept >= self.unconstrained() > 0
+        grows = fit.prefix_caps is None or any(
+            c > old + n * (1 - USED) / 20 for c, old in zip(caps, fit.prefix_caps))
+        # (not done at USED of n: the depth that peaks is full, others may not be)
+        if peak <= n and (full or not grows):
+            fit.done = True
+        elif len(fit.tries) >= MAX_STEPS:  # back to the best step within n
+            fit.done = True
+            if best is None:
+                fit.cap, fit.order, fit.prefix_caps = 0, None, None
+            else:
+                fit.cap, fit.prefix_caps = best[0][0], best[1]
+        else:
+            fit.order, fit.prefix_caps = [k for k, _ in calls], caps
+            fit.cap = int(caps[-1])  # (what all the calls keep together at most)
+        tries = "; ".join(f"{p:,} B keeping {k:,} B" for _, k, p in fit.tries)
+        state = ("done" if fit.done else "next step") + (
+            f": the k-th region call's values and those before it within "
+            f"{', '.join(f'{int(c):,}' for c in fit.prefix_caps)} B, where they are held"
+            if fit.prefix_caps is not None else ": the regions keep their least")
+        self._note(f"{self.budget.label()} (measured steps, placed in time): steps measured "
+                   f"{tries}; {state}")
+
+    def _prefix_caps(self, fit: _Fit, m: Any, calls: list[tuple[Any, int]], *,
+                     bound: bool = True) -> list[float] | None:
+        """Per depth ``d`` (the first ``d`` region calls of the step hold their values:
+        their forwards began, the backward has not reached the d-th), the most the calls'
+        first ``d`` may keep together: ``n`` less what the measured step held there
+        beside its own first ``d``. None where the step cannot say (a call ran twice, a
+        call's marks are missing)."""
+        count = len(calls)
+        forwards = sum(1 for p in m.phases if p[:1] == "f" and p[1:].isdigit())
+        if not count or forwards != count or len({k for k, _ in calls}) != count or any(
+                f"{p}{k}" not in m.phases for k in range(1, count + 1) for p in "fb"):
+            return None  # (a region call that recorded nothing: no_grad, a nested one)
+        prefix = list(itertools.accumulate(b for _, b in calls))
+        caps = [math.inf] * count
+        for phase, top in m.phases.items():
+            d = int(phase[1:]) if phase[:1] in "fb" and phase[1:].isdigit() else 0
+            if not 0 < d <= count:
+                continue
+            caps[d - 1] = min(caps[d - 1], self.n - (top - prefix[d - 1]))
+            if top > self.n and bound:  # never again at or above this prefix here
+                fit.over_prefix[d] = min(fit.over_prefix.get(d, prefix[d - 1]), prefix[d - 1])
+        for d, over in fit.over_prefix.items():
+            if d <= count:
+                caps[d - 1] = min(caps[d - 1], over - 1)
+        return [max(c, 0.0) for c in caps]
+
+    def _decide_one_cap(self, fit: _Fit, kept: int, peak: int) -> None:
+        n = self.n
+        fit.tries.append((fit.cap, kept, peak))
+        fit.tried_caps.append(None)
         label = self.budget.label()
         if peak > n and fit.cap == 0:
             floor = [t[2] for t in fit.tries if t[0] == 0]

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # annotations only: budget_run calls this module
     from .budget_run import BudgetRun
 
 __all__ = ["on_region_entry", "at_plan", "plan_in_model", "end_step", "reprice",
-           "step_kept", "last_calls"]
+           "reprice_nested", "step_kept", "step_order", "last_calls"]
 
 _PRICES_KEPT = 8  # recent prices whose plans stay usable (steps alternating patterns)
 
@@ -75,6 +75,8 @@ class _Steps:
     prices: dict = dataclasses.field(default_factory=dict)    # gen -> {Key: (count, bytes)}
     next_gen: int = 0
     last_calls: dict = dataclasses.field(default_factory=dict)  # the last step's calls
+    order: list = dataclasses.field(default_factory=list)  # this step's (Key, bytes kept)
+    last_order: list = dataclasses.field(default_factory=list)  # the last step's, in order
 
 
 def _steps(model: ModelBudget) -> _Steps:
@@ -88,7 +90,7 @@ def end_step(model: ModelBudget, *, hooked: bool = True) -> None:
         steps = _steps(model)
         steps.hooked = steps.hooked or hooked
         calls, unpriced = dict(steps.calls), steps.unpriced
-        steps.last_calls = calls
+        steps.last_calls, steps.last_order, steps.order = calls, steps.order, []
         steps.calls, steps.ran, steps.kept = collections.Counter(), set(), 0
         steps.gen, steps.unpriced, steps.first = None, False, None
         if unpriced and calls:
@@ -99,6 +101,14 @@ def step_kept(model: ModelBudget) -> int:
     """The bytes this step's region calls keep, so far."""
     with model.lock:
         return _steps(model).kept
+
+
+def step_order(model: ModelBudget, *, last: bool = False) -> list[tuple[Key, int]]:
+    """This step's region calls so far (``last``: the step that ended last's), in the
+    order they ran: ``[((region, signature), bytes kept), ...]``."""
+    with model.lock:
+        steps = _steps(model)
+        return list(steps.last_order if last else steps.order)
 
 
 def last_calls(model: ModelBudget) -> dict:
@@ -121,6 +131,30 @@ def reprice(model: ModelBudget, nbytes: int, calls: dict | None) -> None:
         for gen in [g for g, priced in steps.prices.items() if set(priced) <= set(calls)]:
             del steps.prices[gen]  # (superseded: the same calls, another cap)
         _solve(model, steps, calls)
+
+
+def reprice_nested(model: ModelBudget, order: list[Key], caps: list[float]) -> bool:
+    """Plans for a step whose region calls ran in ``order`` (each once), the kept bytes of
+    the first ``d + 1`` of them within ``caps[d]`` (:mod:`sac_compile.budgets.nested`: a
+    step-peak controller's caps, from where a measured step held what); the cap of the
+    step is what they keep together. False (nothing changed) where a call ran twice, or
+    one was never recorded: the caller prices one cap over the step instead."""
+    from ..budgets.nested import solve_nested
+    with model.lock:
+        steps = _steps(model)
+        if len(set(order)) != len(order) or any(k not in steps.nets for k in order):
+            return False
+        recs = [steps.nets[k] for k in order]
+        found = solve_nested([r.net for r in recs], caps)
+        model.set_cap(found.total)
+        for gen in [g for g, priced in steps.prices.items() if set(priced) <= set(order)]:
+            del steps.prices[gen]  # (superseded: the same calls, other caps)
+        _apply_cuts(model, steps, order, [1] * len(order), found.cuts,
+                    found.unconstrained, None,
+                    f"step-peak budget {model.step_peak!r}: {found.total:,} B kept by "
+                    f"{len(order)} calls, each prefix of the calls within what the measured "
+                    f"step left beside it where they hold their values")
+        return True
 
 
 def on_region_entry(budget: RegionBudget, region: str) -> list[Plan]:
@@ -148,6 +182,7 @@ def at_plan(run: BudgetRun, plan: Plan) -> None:
         steps.calls[(run.region, plan.signature)] += 1
         steps.ran.add(run.region)
         steps.kept += plan.kept_bytes
+        steps.order.append(((run.region, plan.signature), plan.kept_bytes))
         steps.gen = plan.gen
 
 
@@ -187,6 +222,7 @@ def plan_in_model(run: BudgetRun, rg: RegionGraph, signature: tuple) -> Plan:
         steps.calls[key] += 1
         steps.ran.add(run.region)
         steps.kept += cut.nbytes
+        steps.order.append((key, cut.nbytes))
         steps.unpriced = True
         step_total = steps.kept
     over = cut.nbytes > cap * (1 + 1e-9) + 1
@@ -251,19 +287,28 @@ def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
              "the budget may evict them"],
             budget=model.nbytes, least=price.total,
             unconstrained=sum(n * free for n, free in zip(counts, price.unconstrained)))
+    total = sum(n * free for n, free in zip(counts, price.unconstrained))
+    n_calls, regions = sum(counts), len({r.region for r in recs})
+    head = (f"whole-model memory budget {budget_label(model.nbytes)}: {price.total:,} B kept "
+            f"by {n_calls} call{'s' if n_calls > 1 else ''} of {regions} region"
+            f"{'s' if regions > 1 else ''} together (without the budget {total:,} B); one "
+            f"price per byte, w = {price.weight:.3g}, {price.solves} solves")
+    _apply_cuts(model, steps, keys, counts, price.cuts, price.unconstrained, price.weight,
+                head)
+
+
+def _apply_cuts(model: ModelBudget, steps: _Steps, keys: list[Key], counts: list[int],
+                cuts: list[Any], unconstrained_bytes: list[int], weight: float | None,
+                head: str) -> None:
+    """Each call's cut becomes its region's plan at its signature, of a new price."""
+    recs = [steps.nets[k] for k in keys]
     gen, steps.next_gen = steps.next_gen, steps.next_gen + 1
     shares: dict[str, int] = {}
     unconstrained: dict[str, int] = {}
-    for rec, n, cut, free in zip(recs, counts, price.cuts, price.unconstrained):
+    for rec, n, cut, free in zip(recs, counts, cuts, unconstrained_bytes):
         shares[rec.region] = shares.get(rec.region, 0) + n * cut.nbytes
         unconstrained[rec.region] = unconstrained.get(rec.region, 0) + n * free
-    total = sum(n * free for n, free in zip(counts, price.unconstrained))
-    n_calls = sum(counts)
-    head = (f"whole-model memory budget {budget_label(model.nbytes)}: {price.total:,} B kept "
-            f"by {n_calls} call{'s' if n_calls > 1 else ''} of {len(shares)} region"
-            f"{'s' if len(shares) > 1 else ''} together (without the budget {total:,} B); one "
-            f"price per byte, w = {price.weight:.3g}, {price.solves} solves")
-    for rec, n, cut, free in zip(recs, counts, price.cuts, price.unconstrained):
+    for rec, n, cut, free in zip(recs, counts, cuts, unconstrained_bytes):
         rg = RegionGraph(None, rec.net, rec.where, {})
         dropped = _dropped(rec.net, cut.kept, rec.where, rec.labels,
                            f"the whole-model budget {budget_label(model.nbytes)}")
@@ -274,12 +319,12 @@ def _solve(model: ModelBudget, steps: _Steps, calls: dict[Key, int]) -> None:
         plan.gen = gen
         with rec.budget.lock:
             rec.budget.plans[rec.signature] = plan
-    steps.prices[gen] = {k: (n, c.nbytes) for k, n, c in zip(keys, counts, price.cuts)}
+    steps.prices[gen] = {k: (n, c.nbytes) for k, n, c in zip(keys, counts, cuts)}
     for old in sorted(steps.prices)[:-_PRICES_KEPT]:
         del steps.prices[old]
     live = {k for calls_of in steps.prices.values() for k in calls_of}
     steps.nets = {k: r for k, r in steps.nets.items() if k in live}
-    model.priced(price.weight, shares, unconstrained, head)
+    model.priced(weight, shares, unconstrained, head)
 
 
 def _kept_unconstrained(net: Any) -> list[fx.Node]:

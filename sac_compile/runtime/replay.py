@@ -380,10 +380,10 @@ def _replay(node: OpNode) -> list[Any]:
             outputs = flat_outputs(_call(node, info, args, kwargs))
     if len(outputs) < len(node.outs):
         outputs.extend(_mutated_outputs(node.op, args, kwargs, outputs, len(node.outs)))
-    return _checked(node, outputs)
+    return _checked(node, outputs, args, kwargs)
 
 
-def _checked(node: OpNode, outputs: list[Any]) -> list[Any]:
+def _checked(node: OpNode, outputs: list[Any], args: Any, kwargs: Any) -> list[Any]:
     """The replayed outputs, once each is checked against the forward's shape and dtype."""
     for i, (t, facts) in enumerate(zip(outputs, node.outs)):
         if facts is not None and (not isinstance(t, torch.Tensor) or t.shape != facts[2]
@@ -395,6 +395,8 @@ def _checked(node: OpNode, outputs: list[Any]) -> list[Any]:
                 f"produced {tuple(meta[0])} {meta[1]}: the region's ops are not deterministic "
                 f"in shape or dtype. Make the policy save this op (MUST_SAVE)")
     for stats in node.ctx.stats:
+        from ..op_costs import op_flops  # (collecting stats only: FLOPs as the compiler counts)
+        stats.recomputed_flops += op_flops(node.op, args, kwargs, outputs)[0]
         stats.recomputed_ops.append(op_name(node.op))
         stats.recomputed_regions.append(node.frames[-1].name if node.frames else "")
         stats.track_replayed(outputs)

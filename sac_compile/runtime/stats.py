@@ -33,6 +33,7 @@ class EagerStats:
         self.saved: list[SavedValueRecord] = []
         self.recomputed_ops: list[str] = []
         self.recomputed_regions: list[str] = []  # per replayed op: its innermost region
+        self.recomputed_flops = 0  # the replayed ops' FLOPs (op_costs.op_flops, as compiled)
         self.ops_recorded = 0
         self.decisions: list[tuple[str, Decision]] = []
         # Memory budgets (sac_region/apply_regions memory_budget): one line per plan, and
