@@ -468,3 +468,40 @@ def test_at_full_acs_peak_the_calls_backwarded_first_keep_their_values(placed, m
         assert flops == full_flops
     for g, r in zip(grads, reference):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+class _TwoTowers(torch.nn.Module):
+    """Two stacks of 3 blocks on two inputs, one loss (a contrastive model's shape): the
+    calls' intervals of the first tower enclose the second's only through the engine's
+    order (the later-made node's backward first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Stack(3, checkpoint="none", seed=0), Stack(3, checkpoint="none", seed=1)
+
+    def forward(self, x):
+        return self.a(x[0]) + self.b(x[1])
+
+
+def test_two_towers_placed_in_time_hold_the_budget():
+    """Placed in time over two towers: after calibration the step measures within ``n``
+    (between the least and no budget's), keeps more than the least, and the gradients are
+    no checkpointing's."""
+    x = stack_inputs(2)
+    peaks = []
+    for policy in ("recompute_all", RELAXED):
+        model = sc.apply_regions(_TwoTowers(), policy, where=Block)
+        model(x).backward()
+        peaks.append(_measured_step(model, x))
+    least, free = peaks
+    n = (least + free) // 2
+    model = sc.apply_regions(_TwoTowers(), RELAXED, where=Block, memory_budget=PeakBudget(n))
+    _calibrated(model, x)
+    (fit,) = _controller(model).fits.values()
+    assert fit.prefix_caps is not None and len(fit.prefix_caps) == 6, _controller(model).notes
+    peak = _measured_step(model, x)
+    assert peak <= n and fit.tries[-1][1] > 0, (n, peak, _controller(model).notes)
+    plain = _TwoTowers()
+    plain(x).backward()
+    for g, p in zip([p.grad for p in model.parameters()], plain.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
