@@ -8,7 +8,8 @@ the more; below the least the model finds, the model's least is tried.
 
 Why: the cut is chosen before Inductor runs, against the model of what Inductor allocates
 (:mod:`.inductor_alloc`). The model follows Inductor's allocation rules but not all of its
-reordering; near full AC's peak it was measured up to 8.5% low (HF Llama, bench), so
+reordering; near full AC's peak it was measured 3% low (HF Llama, bench; 8.5% at a cut
+a tie picked before the split was deterministic), so
 a split the model fits could peak above the budget. A measured byte beats a modelled one:
 the trial is the step as the user's will run it (the same compiled code, the same shapes),
 measured by :mod:`sac_compile.measured_peak` (CPU: the profiler's allocation events; an
