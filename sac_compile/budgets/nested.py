@@ -39,7 +39,6 @@ RESOLUTION = 2048   # prefix bytes merged within 1/RESOLUTION of the largest cap
 class NestedCuts:
     cuts: list[Cut]          # one per call, in call order
     total: int               # their kept bytes together
-    cost: float              # their summed cost
     fits: bool               # every prefix within its cap (else: the least of each)
     unconstrained: list[int]  # each call's kept bytes without a budget
 
@@ -91,8 +90,7 @@ def solve_nested(nets: Sequence[FlowNetwork], caps: Sequence[float]) -> NestedCu
                     nxt[key] = entry
         if not nxt:
             least = [o[0] for o in options]
-            return NestedCuts(least, sum(c.nbytes for c in least),
-                              sum(c.cost for c in least), False,
+            return NestedCuts(least, sum(c.nbytes for c in least), False,
                               [o[-1].nbytes for o in options])
         # a state keeping more for no less cost is of no use
         pruned, best = {}, math.inf
@@ -100,6 +98,6 @@ def solve_nested(nets: Sequence[FlowNetwork], caps: Sequence[float]) -> NestedCu
             if nxt[key][0] < best:
                 pruned[key], best = nxt[key], nxt[key][0]
         states = pruned
-    cost, total, chosen = min(states.values(), key=lambda s: (s[0], s[1]))
+    _, total, chosen = min(states.values(), key=lambda s: (s[0], s[1]))
     cuts = [options[d][k] for d, k in enumerate(chosen)]
-    return NestedCuts(cuts, total, cost, True, [o[-1].nbytes for o in options])
+    return NestedCuts(cuts, total, True, [o[-1].nbytes for o in options])

@@ -254,14 +254,14 @@ class StepPeak:
         beside its own first ``d``. None where the step cannot say (a call ran twice, a
         call's marks are missing)."""
         count = len(calls)
-        forwards = sum(1 for p in m.phases if p[:1] == "f" and p[1:].isdigit())
+        forwards = sum(1 for p in m.phases if p[:1] == "f" and _call_of(p))
         if not count or forwards != count or len({k for k, _ in calls}) != count or any(
                 f"{p}{k}" not in m.phases for k in range(1, count + 1) for p in "fb"):
             return None  # (a region call that recorded nothing: no_grad, a nested one)
         prefix = list(itertools.accumulate(b for _, b in calls))
         caps = [math.inf] * count
         for phase, top in m.phases.items():
-            d = int(phase[1:]) if phase[:1] in "fb" and phase[1:].isdigit() else 0
+            d = _call_of(phase)
             if not 0 < d <= count:
                 continue
             caps[d - 1] = min(caps[d - 1], self.n - (top - prefix[d - 1]))
@@ -378,6 +378,11 @@ class StepPeak:
         self._measured, self._kept = None, None
         if stack is not None:
             stack.close()
+
+
+def _call_of(phase: str) -> int:
+    """The region call a mark names (``f<k>``, ``b<k>``: k), else 0."""
+    return int(phase[1:]) if phase[:1] in "fb" and phase[1:].isdigit() else 0
 
 
 def _warn_if_ranks(budget: PeakBudget) -> None:

@@ -76,7 +76,6 @@ class _Steps:
     next_gen: int = 0
     last_calls: dict = dataclasses.field(default_factory=dict)  # the last step's calls
     order: list = dataclasses.field(default_factory=list)  # this step's (Key, bytes kept)
-    last_order: list = dataclasses.field(default_factory=list)  # the last step's, in order
 
 
 def _steps(model: ModelBudget) -> _Steps:
@@ -90,7 +89,7 @@ def end_step(model: ModelBudget, *, hooked: bool = True) -> None:
         steps = _steps(model)
         steps.hooked = steps.hooked or hooked
         calls, unpriced = dict(steps.calls), steps.unpriced
-        steps.last_calls, steps.last_order, steps.order = calls, steps.order, []
+        steps.last_calls, steps.order = calls, []
         steps.calls, steps.ran, steps.kept = collections.Counter(), set(), 0
         steps.gen, steps.unpriced, steps.first = None, False, None
         if unpriced and calls:
@@ -103,12 +102,11 @@ def step_kept(model: ModelBudget) -> int:
         return _steps(model).kept
 
 
-def step_order(model: ModelBudget, *, last: bool = False) -> list[tuple[Key, int]]:
-    """This step's region calls so far (``last``: the step that ended last's), in the
-    order they ran: ``[((region, signature), bytes kept), ...]``."""
+def step_order(model: ModelBudget) -> list[tuple[Key, int]]:
+    """This step's region calls so far, in the order they ran:
+    ``[((region, signature), bytes kept), ...]``."""
     with model.lock:
-        steps = _steps(model)
-        return list(steps.last_order if last else steps.order)
+        return list(_steps(model).order)
 
 
 def last_calls(model: ModelBudget) -> dict:
@@ -152,8 +150,10 @@ def reprice_nested(model: ModelBudget, order: list[Key], caps: list[float]) -> b
         _apply_cuts(model, steps, order, [1] * len(order), found.cuts,
                     found.unconstrained, None,
                     f"step-peak budget {model.step_peak!r}: {found.total:,} B kept by "
-                    f"{len(order)} calls, each prefix of the calls within what the measured "
-                    f"step left beside it where they hold their values")
+                    f"{len(order)} calls, " + (
+                        "each prefix of the calls within what the measured step left beside "
+                        "it where they hold their values" if found.fits else
+                        "each its least: no choice keeps every prefix within its cap"))
         return True
 
 

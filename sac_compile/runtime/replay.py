@@ -394,9 +394,11 @@ def _checked(node: OpNode, outputs: list[Any], args: Any, kwargs: Any) -> list[A
                 f"recomputing {node.describe()} gave output {i} as {got}, but the forward "
                 f"produced {tuple(meta[0])} {meta[1]}: the region's ops are not deterministic "
                 f"in shape or dtype. Make the policy save this op (MUST_SAVE)")
+    if node.ctx.stats:  # (collecting stats only: FLOPs as the compiler counts them, once)
+        from ..op_costs import op_flops
+        flops = op_flops(node.op, args, kwargs, outputs)[0]
     for stats in node.ctx.stats:
-        from ..op_costs import op_flops  # (collecting stats only: FLOPs as the compiler counts)
-        stats.recomputed_flops += op_flops(node.op, args, kwargs, outputs)[0]
+        stats.recomputed_flops += flops
         stats.recomputed_ops.append(op_name(node.op))
         stats.recomputed_regions.append(node.frames[-1].name if node.frames else "")
         stats.track_replayed(outputs)
