@@ -237,6 +237,61 @@ def test_report_with_a_user_factory_no_compile(capsys, factory_file, tmp_path):
     assert doc["meta"]["blocks"] == 1     # no .blocks: the whole model is one region
 
 
+_STACK = textwrap.dedent("""
+    import torch
+
+    class Stack(torch.nn.Module):
+        # four MLP blocks at batch 512: activations (512 KiB per hidden layer) dominate the
+        # step, parameters (128 KiB per block) do not
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 64)) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    def stack():
+        torch.manual_seed(0)
+        return Stack(), (torch.randn(512, 64),)
+""")
+
+
+def test_report_eager_peak_budget_row_holds_the_measured_peak(tmp_path):
+    """``--budget peak:N`` in eager mode: the eager budget row is ``apply_regions(...,
+    memory_budget=PeakBudget(N))`` after its calibration steps, its measured step peak at
+    most N (between full AC's and no AC's), keeping less and recomputing more than the
+    row without a budget, with no AC's gradients; a fraction is compiled only (skipped,
+    saying so)."""
+    (tmp_path / "stack_model.py").write_text(_STACK)
+    model = f"{tmp_path / 'stack_model.py'}:stack"
+
+    def rows(budget: str) -> dict:
+        out = tmp_path / budget.replace(":", "_")
+        rc = main(["report", "--model", model, "--no-compile", "--no-plot", "--steps", "1",
+                   "--budget", budget, "--out", str(out)])
+        assert rc == 0
+        return {r["key"]: r for r in json.loads((out / "report.json").read_text())["strategies"]}
+
+    free = rows("peak:0.5")
+    assert free["ours_eager_budget"]["status"] == "skipped"
+    assert "a fraction is compiled only" in free["ours_eager_budget"]["note"]
+    top, low = free["ours_eager"]["peak_bytes"], free["full_ac"]["peak_bytes"]
+    assert low < top
+    n = (low + top) // 2
+    got = rows(f"peak:{n}")
+    row, unbudgeted = got["ours_eager_budget"], got["ours_eager"]
+    assert row["status"] == "ok", row
+    assert row["peak_bytes"] <= n
+    assert row["kept_bytes"] < unbudgeted["kept_bytes"]
+    assert row["recompute_flops"] > unbudgeted["recompute_flops"]
+    assert row["grad_rel"] <= GRAD_RTOL
+    assert "measured steps" in row["note"]
+
+
 # --------------------------------------------------------------------------------------
 # Logging: silent by default; the switch prints
 # --------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ Strategies (keys in report.json in brackets):
   on every block, as ``apply_regions`` gives it (a fraction: each block's own; bytes: one
   budget for all blocks, priced together), the eager runtime; measured on the third step
   (the first records and plans; a whole-model budget prices its regions on the second).
+  A :class:`~sac_compile.budgets.PeakBudget` (``--budget peak:...``): ``apply_regions(copy,
+  relaxed(policy), where=<its blocks>, memory_budget=budget)`` on a copy of the model, its
+  calibration steps run first (the step-peak controller measures them), then measured.
 * ours budget [``ours_budget``]: ours compiled with ``make_backend(memory_budget=...)`` and
   the same policy with its MUSTs relaxed to PREFERs (MUST_SAVE -> PREFER_SAVE, ...), so that
   the budget may evict what the policy would save. A fraction is of the activation bytes the
@@ -50,7 +53,6 @@ How each figure is obtained:
   the same masks as eager mode.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -63,6 +65,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from .. import runtime
+from ..budgets import PeakBudget
 from ..measured_peak import measured_peak
 from ..policies import relaxed
 from ..policy import CheckpointError
@@ -242,6 +246,8 @@ class _Runner:
             res = measure_ours(model, inputs, self.cfg.policy, seed=seed, loss=loss_of)
             row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
             wrap = ours(self.cfg.policy)
+        elif key == "ours_eager_budget" and isinstance(self.cfg.budget, PeakBudget):
+            return self._eager_peak_budget(row)
         elif key == "ours_eager_budget":  # the first step records and plans
             wrap = ours(relaxed(self.cfg.policy), self.cfg.budget, len(model.blocks))
             for _ in range(2):  # (a whole-model budget prices its regions on step 2)
@@ -256,6 +262,56 @@ class _Runner:
         row.step = self._step_fn(model, model, ctx)
         row.flops_total = self._flops(row.step)
         self._measure_peak(row, row.step, model)
+        clear_grads(model, inputs)
+
+    def _eager_peak_budget(self, row: Row) -> None:
+        """The eager budget row under a :class:`~sac_compile.budgets.PeakBudget`: a copy of
+        the model with ``apply_regions(copy, relaxed(policy), where=<its blocks>,
+        memory_budget=budget)`` (the step-peak controller is the model's step hooks), its
+        calibration steps run until the controller measures no more (at most
+        ``MAX_STEPS`` + 1), then measured as every eager row. Blocks that are functions,
+        not modules, have no hooks to mark a step: skipped, saying so."""
+        from ..budgets.step_peak import MAX_STEPS
+        from ..regions import apply_regions, step_peak_of
+        model, inputs = self._copy(), self.inputs
+        if isinstance(self.cfg.budget.value, float):
+            row.status, row.note = "skipped", ("a PeakBudget in eager mode is bytes (the "
+                                               "step is measured; a fraction is compiled only)")
+            return
+        if not all(isinstance(b, nn.Module) for b in model.blocks):
+            row.status, row.note = "skipped", ("a PeakBudget in eager mode needs the blocks "
+                                               "as modules (apply_regions' step hooks)")
+            return
+        blocks = {id(b) for b in model.blocks}
+        apply_regions(model, relaxed(self.cfg.policy), memory_budget=self.cfg.budget,
+                      where=lambda path, m: id(m) in blocks)
+        controller = step_peak_of(model)
+        step = self._step_fn(model, model)
+        try:
+            for _ in range(MAX_STEPS + 1):
+                step()
+                if controller is None or all(f.done for f in controller.fits.values()):
+                    break
+            exclude = param_storages(model)
+            clear_grads(model, inputs)
+            torch.manual_seed(self.cfg.seed)
+            with runtime.collect_stats() as stats:
+                with SavedBytes(exclude) as outside:
+                    out = loss_of(model(*inputs))
+                kept = stats.saved_bytes
+                out.backward()
+        except CheckpointError as e:  # a budget out of reach (BudgetUnreachableError)
+            row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
+            self.progress.say(f"{row.label}: failed: {row.note}")
+            return
+        row.grads = grads_of(model, inputs)
+        row.kept_bytes = kept + outside.nbytes
+        recomputed = stats.recomputed_ops
+        row.recomputed_ops = recomputed if isinstance(recomputed, int) else len(recomputed)
+        row.note = controller.notes[-1] if controller is not None and controller.notes else ""
+        row.step = step
+        row.flops_total = self._flops(step)
+        self._measure_peak(row, step, model)
         clear_grads(model, inputs)
 
     # -- compiled ----------------------------------------------------------------------------
@@ -316,8 +372,6 @@ class _Runner:
             t0 = time.perf_counter()
             if row.kind == "compiled" and not self.cfg.compile:
                 row.status, row.note = "skipped", "--no-compile"
-            elif key == "ours_eager_budget" and hasattr(self.cfg.budget, "label"):
-                row.status, row.note = "skipped", "a PeakBudget is compile-only"
             elif row.kind == "eager":
                 self.eager(key)
             else:

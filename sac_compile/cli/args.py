@@ -130,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
              f"decoder layer with HF's loss on labels=input_ids, anything else as a whole")
     rep.add_argument(
         "--budget", default="0.5", metavar="X",
-        help="memory budget of the 'ours budget' row: a fraction in (0, 1] of the activation "
-             "bytes our partition saves without a budget (default 0.5), or a byte count such "
-             "as 65536, 512KiB, 64MiB (per forward/backward split); peak:64MiB caps the "
-             "step's peak instead (PeakBudget: compiled only); that row relaxes the "
+        help="memory budget of the 'ours budget' rows: a fraction in (0, 1] of the "
+             "activation bytes our partition saves without a budget (default 0.5), or a byte "
+             "count such as 65536, 512KiB, 64MiB (per forward/backward split); peak:64MiB "
+             "caps the step's measured peak instead (PeakBudget; eager: held by measuring "
+             "its first steps, run before the row is measured); those rows relax the "
              "policy's MUSTs to PREFERs so the budget can evict them")
     rep.add_argument(
         "--steps", type=int, default=None, metavar="N",
