@@ -116,11 +116,14 @@ def recomputed_by(cls: Classification, kept: set[fx.Node]) -> set[fx.Node]:
 
 
 def solve_lowering_peak(gm: fx.GraphModule, net: FlowNetwork, solve: Callable[[FlowNetwork], R],
-                        kept_of: Callable[[R], list[fx.Node]]) -> tuple[R, Floor]:
+                        kept_of: Callable[[R], list[fx.Node]], *,
+                        unfloored: list[R] | None = None) -> tuple[R, Floor]:
     """``solve(net)``, or ``solve`` of the floored network where that lowers the peak (see
     the module docstring). Returns the result and what the floor did; the kept boundary
     values of a floored cut carry a :class:`~sac_compile.graph_meta.BoundaryFact` (for
-    their reason)."""
+    their reason). ``unfloored``: where the floored cut is returned, the cut without the
+    floor is appended to it (a peak budget weighs both: the floor's is the lower peak,
+    the other may fit the cap for less)."""
     res = solve(net)
     cls = net.cls
     boundary = boundary_values(cls, net)
@@ -137,6 +140,8 @@ def solve_lowering_peak(gm: fx.GraphModule, net: FlowNetwork, solve: Callable[[F
     before, after = cut_peak(gm.graph, cls, kept), cut_peak(gm.graph, cls, kept_floor)
     if after >= before:
         return res, Floor()
+    if unfloored is not None:
+        unfloored.append(res)
     held = [u for u in kept_floor if u in boundary and u not in kept]
     for u in held:
         graph_meta.set_boundary(u, _fact(u, boundary[u]))
