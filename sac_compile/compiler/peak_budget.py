@@ -86,7 +86,7 @@ PUT_BACK_TRIES = 64  # then values the chosen cut recomputes, kept while the pea
 EXACT_EACH_MAX_NODES = 500  # up to this many nodes every kept-byte budget is solved exactly
 TO_THE_CAP_STEPS = 4  # then the kept-byte budget stepped toward the cap (exact solves)
 # ... aiming this far below it: what the model leaves out, that the caller holds across the
-# backward (the loss and its gradient's seed: measured +8 B under aot_eager, every HF row)
+# backward (scalars such as the loss: measured +8 B under aot_eager, every HF row)
 TO_THE_CAP_MARGIN = 64
 
 # What the budget solver returns: its result and the regions' figures (None: no regions).
