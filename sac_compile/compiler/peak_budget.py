@@ -344,7 +344,7 @@ def _unreachable(budget: PeakBudget, cap: int, tried: list[_Candidate],
         given,
         f"the least modelled step peak found for this forward/backward split is "
         f"{fmt_bytes(low.peak)}, keeping {fmt_bytes(low.kept_bytes)} of activations "
-        f"({len(tried)} kept-byte budgets tried, down to the least reachable; without a "
+        f"({len(tried)} cuts tried at kept-byte budgets down to the least reachable; without a "
         f"budget the step peaks at {fmt_bytes(base.peak)})",
         ["let more be recomputed (policies.relaxed(policy) relaxes MUST_SAVE to "
          "PREFER_SAVE)"],
