@@ -149,3 +149,40 @@ def test_a_budgeted_region_whose_input_is_changed_before_backward_is_never_silen
         return
     assert torch.allclose(x.grad, ref_x.grad, atol=1e-5)
     assert torch.allclose(w.grad, ref_w.grad, atol=1e-5)
+
+
+def test_placed_in_time_options_include_cuts_between_the_prices(monkeypatch):
+    """``budgets/nested.py``'s options per network (what the caps placed in time choose
+    from): the price search reaches only the cuts on the lower convex hull of cost against
+    kept bytes; the exact program's cuts at caps between them fill the gaps (a choice of
+    one cut per call is discrete: a cut between two hull cuts lets a prefix use its cap).
+    The options grow in bytes and fall in cost, some lie between hull neighbours, and the
+    nested choice over them is never costlier than over the price search's cuts alone,
+    and cheaper at some caps."""
+    from sac_compile.budgets import nested
+    seen, _ = _networks(monkeypatch, "gpt", prefer_policy, 0.5)
+    nets = [net for net, _ in seen]
+    between = 0
+    for net in nets:
+        options = nested.cut_options(net)
+        assert all(a.nbytes < b.nbytes and a.cost > b.cost
+                   for a, b in zip(options, options[1:]))
+        with monkeypatch.context() as m:
+            m.setattr(nested, "EXACT_OPTIONS", 0)
+            hull = {c.nbytes for c in nested.cut_options(net)}
+        between += sum(c.nbytes not in hull for c in options)
+    assert between > 0
+    least = sum(nested.cut_options(net)[0].nbytes for net in nets)
+    most = sum(nested.cut_options(net)[-1].nbytes for net in nets)
+    cheaper = 0
+    for frac in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        caps = [least + frac * (most - least)] * len(nets)
+        with_exact = nested.solve_nested(nets, caps)
+        with monkeypatch.context() as m:
+            m.setattr(nested, "EXACT_OPTIONS", 0)
+            prices_only = nested.solve_nested(nets, caps)
+        cost = sum(c.cost for c in with_exact.cuts)
+        before = sum(c.cost for c in prices_only.cuts)
+        assert with_exact.fits and cost <= before * (1 + 1e-9)
+        cheaper += cost < before * (1 - 1e-9)
+    assert cheaper > 0
