@@ -148,9 +148,8 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         if plain and limit and not fused:
             # The floor was taken for its lower peak; the cut without it may fit the cap
             # too, for less (HF GPT-2, bench, at 22 MB kept: 36.7 M against 37.9 M, both
-            # within the cap). Not under Inductor: there a cut recomputing across regions
-            # is one the model misses more (HF GPT-2 at full AC's peak: -1.9% against
-            # -0.6%, and no split measured within it).
+            # within the cap). Not under Inductor, where the model is a few % off and the
+            # measured trial holds the cap: its figures were measured without these.
             other = _Candidate(kept_cap, plain[0], Floor(), {},
                                step_peak(gm, net, set(plain[0][0].saved), fused=fused))
             tried.append(other)
@@ -191,8 +190,9 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
         if exact is not None and exact.peak <= cap and exact.cost < best.cost:
             fits.append(exact)
             best = exact
-    if best is not base and not fused:  # (fused: the model is Inductor's within a few %,
-        best = _to_the_cap(candidate, tried, best, cap)  # no aim to the byte)
+    if best is not base:
+        if not fused:  # (fused: the model is Inductor's within a few %, no aim to the byte)
+            best = _to_the_cap(candidate, tried, best, cap)
         best = _put_back(gm, net, best, cap, fused)
     for u, fact in best.facts.items():
         graph_meta.set_boundary(u, fact)
