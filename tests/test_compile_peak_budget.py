@@ -338,7 +338,8 @@ def test_fast_rule_against_enumeration_on_small_graphs(n, exact_each, monkeypatc
     up to the peak of the split without a budget: the fast rule's split fits the cap; where
     the cap binds, its recompute cost (the solver's objective, which the rule minimises)
     is within 1% of the cheapest split that fits and its FLOPs are the same (measured:
-    equal, or 0.09% more cost at 2 of the 3-block caps); at the top cap it is the split
+    equal at every binding cap of 2 and 3 blocks since step 4 steps the kept bytes to the
+    cap, 2026-11-29; 0.09% more cost at 2 of the 3-block caps before); at the top cap it is the split
     without a budget (a budget that does not bind changes nothing; the enumeration's
     cheapest there keeps more, which that split weighs against its bytes). None raised.
     (Before step 5 of :mod:`sac_compile.compiler.peak_budget`, the put-back, the rule
