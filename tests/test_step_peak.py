@@ -470,6 +470,41 @@ def test_at_full_acs_peak_the_calls_backwarded_first_keep_their_values(placed, m
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_identical_blocks_share_one_options_search(monkeypatch):
+    """Placed in time over 6 identical blocks: each plan searches the options of one
+    block's network, not six (``budgets/nested.py``: the same problem node by node, the
+    cuts translated), and the step is the one searching each gives: the same measured
+    peak, FLOPs and gradients."""
+    from sac_compile.budgets import nested
+    ids = torch.randint(0, 16384, (4, 64))
+    full = sc.apply_regions(_EmbeddedStack(), "recompute_all", where=Block)
+    n, _, _ = _embedded_step(full, ids)
+    searched, solves = [], []
+    real_options, real_solve = nested.cut_options, nested.solve_nested
+
+    def counting_options(net, problem=None):
+        searched.append(net)
+        return real_options(net, problem)
+
+    def counting_solve(nets, caps):
+        solves.append(len(nets))
+        return real_solve(nets, caps)
+
+    monkeypatch.setattr(nested, "cut_options", counting_options)
+    monkeypatch.setattr(nested, "solve_nested", counting_solve)
+    shared = _embedded_step(sc.apply_regions(_EmbeddedStack(), RELAXED, where=Block,
+                                             memory_budget=PeakBudget(n)), ids)
+    assert solves and all(k == 6 for k in solves) and len(searched) == len(solves)
+    monkeypatch.setattr(nested, "_problem_key", id)  # every network its own search
+    del searched[:], solves[:]
+    each = _embedded_step(sc.apply_regions(_EmbeddedStack(), RELAXED, where=Block,
+                                           memory_budget=PeakBudget(n)), ids)
+    assert len(searched) == 6 * len(solves)
+    assert shared[:2] == each[:2] and shared[0] <= n
+    for a, b in zip(shared[2], each[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 class _TwoTowers(torch.nn.Module):
     """Two stacks of 3 blocks on two inputs, one loss (a contrastive model's shape): the
     calls' intervals of the first tower enclose the second's only through the engine's

@@ -80,6 +80,22 @@ def cut_options(net: FlowNetwork, problem: ExactProblem | None = None) -> list[C
     return out
 
 
+def _problem_key(net: FlowNetwork) -> tuple:
+    """Everything the searches read of ``net``, by node index: two networks with the same
+    key have the same cuts, node ``i`` of one for node ``i`` of the other."""
+    return (tuple(net.structure), tuple(net.save_cost), tuple(net.offload_cost),
+            tuple(net.recompute_cost), tuple(sorted(net.lifted_under_budget.items())),
+            tuple(sorted(net.recompute_bytes.items())),
+            tuple(v.op == "placeholder" for v in net.cls.nodes))
+
+
+def _translated(cut: Cut, src: FlowNetwork, dst: FlowNetwork) -> Cut:
+    """``cut`` of ``src`` as the same cut of ``dst`` (same :func:`_problem_key`)."""
+    index, nodes = src.cls.index, dst.cls.nodes
+    return dataclasses.replace(cut, kept=[nodes[index[v]] for v in cut.kept],
+                               on_host=[nodes[index[v]] for v in cut.on_host])
+
+
 def _exact_cuts(net: FlowNetwork, problem: ExactProblem, caps: Sequence[float]) -> list[Cut]:
     """The exact program's cheapest cut within each kept-byte cap of ``caps`` (none where
     scipy has no MILP, or it found none in :data:`EXACT_TIME_LIMIT`)."""
@@ -98,8 +114,16 @@ def _exact_cuts(net: FlowNetwork, problem: ExactProblem, caps: Sequence[float]) 
 
 def solve_nested(nets: Sequence[FlowNetwork], caps: Sequence[float]) -> NestedCuts:
     """One cut per network (in call order) with ``sum(kept[:d + 1]) <= caps[d]`` for every
-    ``d`` at the least summed cost; where no choice fits, each network's least."""
-    options = [cut_options(net) for net in nets]
+    ``d`` at the least summed cost; where no choice fits, each network's least. Calls of
+    identical blocks have the same problem (:func:`_problem_key`): their options are
+    searched once (a 32-layer model: one search, not 32, per calibration step)."""
+    searched: dict[tuple, tuple[FlowNetwork, list[Cut]]] = {}
+    options = []
+    for net in nets:
+        first, opts = searched.setdefault(_problem_key(net), (net, []))
+        if first is net:
+            opts[:] = cut_options(net)
+        options.append(opts if first is net else [_translated(c, first, net) for c in opts])
     finite = [c for c in caps if math.isfinite(c)]
     step = max(max(finite, default=1.0), 1.0) / RESOLUTION
     # state: bucket of the prefix's bytes -> (cost, prefix bytes, choices)
