@@ -292,19 +292,32 @@ class _Runner:
                 step()
                 if controller is None or all(f.done for f in controller.fits.values()):
                     break
+            # kept: as measure_ours counts it (what the regions keep, what autograd keeps
+            # outside them, the regions' inputs; a storage seen twice counted once)
             exclude = param_storages(model)
+            region_inputs = SavedBytes(exclude)
+
+            def record_inputs(module: nn.Module, args: tuple) -> None:
+                for a in args:
+                    region_inputs.add(a)
+            hooks = [b.register_forward_pre_hook(record_inputs) for b in model.blocks]
             clear_grads(model, inputs)
             torch.manual_seed(self.cfg.seed)
-            with runtime.collect_stats() as stats:
-                with SavedBytes(exclude) as outside:
-                    out = loss_of(model(*inputs))
-                kept = stats.saved_bytes
-                out.backward()
+            try:
+                with runtime.collect_stats() as stats:
+                    with SavedBytes(exclude) as outside:
+                        out = loss_of(model(*inputs))
+                    kept = stats.saved_bytes
+                    out.backward()
+            finally:
+                for h in hooks:
+                    h.remove()
         except CheckpointError as e:  # a budget out of reach (BudgetUnreachableError)
             row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
             self.progress.say(f"{row.label}: failed: {row.note}")
             return
         row.grads = grads_of(model, inputs)
+        outside.storages.update(region_inputs.storages)
         row.kept_bytes = kept + outside.nbytes
         recomputed = stats.recomputed_ops
         row.recomputed_ops = recomputed if isinstance(recomputed, int) else len(recomputed)
