@@ -65,7 +65,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from .. import runtime
 from ..budgets import PeakBudget
 from ..measured_peak import measured_peak
 from ..policies import relaxed
@@ -292,35 +291,16 @@ class _Runner:
                 step()
                 if controller is None or all(f.done for f in controller.fits.values()):
                     break
-            # kept: as measure_ours counts it (what the regions keep, what autograd keeps
-            # outside them, the regions' inputs; a storage seen twice counted once)
-            exclude = param_storages(model)
-            region_inputs = SavedBytes(exclude)
-
-            def record_inputs(module: nn.Module, args: tuple) -> None:
-                for a in args:
-                    region_inputs.add(a)
-            hooks = [b.register_forward_pre_hook(record_inputs) for b in model.blocks]
-            clear_grads(model, inputs)
-            torch.manual_seed(self.cfg.seed)
-            try:
-                with runtime.collect_stats() as stats:
-                    with SavedBytes(exclude) as outside:
-                        out = loss_of(model(*inputs))
-                    kept = stats.saved_bytes
-                    out.backward()
-            finally:
-                for h in hooks:
-                    h.remove()
+            # kept and recomputed as every eager row counts them (the blocks already
+            # regions: measure_ours only observes their inputs)
+            res = measure_ours(model, inputs, seed=self.cfg.seed, loss=loss_of,
+                               regions=lambda i, forward: forward)
         except CheckpointError as e:  # a budget out of reach (BudgetUnreachableError)
             row.status, row.note = "failed", str(e).removeprefix("sac_compile: ")
             self.progress.say(f"{row.label}: failed: {row.note}")
             return
-        row.grads = grads_of(model, inputs)
-        outside.storages.update(region_inputs.storages)
-        row.kept_bytes = kept + outside.nbytes
-        recomputed = stats.recomputed_ops
-        row.recomputed_ops = recomputed if isinstance(recomputed, int) else len(recomputed)
+        row.grads = res.grads
+        row.kept_bytes, row.recomputed_ops = res.saved_bytes, res.recomputed_ops
         row.note = controller.notes[-1] if controller is not None and controller.notes else ""
         row.step = step
         row.flops_total = self._flops(step)
