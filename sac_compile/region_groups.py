@@ -54,12 +54,13 @@ class RegionGroup:
     """Regions that share one compiled graph: ``token`` (what Dynamo guards), the policy,
     the name the policy is asked under, whether the name may matter, and the members."""
 
-    __slots__ = ("token", "policy", "first_name", "allow", "by_name", "_slots", "why_no_key",
-                 "budget")
+    __slots__ = ("token", "base", "policy", "first_name", "allow", "by_name", "_slots",
+                 "why_no_key", "budget")
 
     def __init__(self, token: str, policy: Any, name: str, allow: bool, by_name: bool,
                  why_no_key: str | None, budget: Any = None) -> None:
         self.token = token
+        self.base = token  # the token it was made with (rekey derives the others from it)
         self.budget = budget  # the members' memory budget (sac_compile.budgets), or None
         self.policy = policy
         self.first_name = name
@@ -258,14 +259,24 @@ def rekey(model: Any) -> None:
         groups = [g for g in dict.fromkeys(_GROUPS.values())
                   if g.budget is not None and g.budget.model is model
                   and g.budget.kind in kinds and g.slots]
+        fresh: list[RegionGroup] = []
         for group in groups:
+            # From what the split reads of the budget, not from the last token: a state
+            # seen before (two batch sizes alternating, each with its own cap) finds its
+            # graph in Dynamo's cache again instead of compiling at every step.
+            calls = sorted(model.calls.items())
             token = "sac:" + hashlib.sha256(
-                f"{group.token}|price={model.kind_share}|cap={model.nbytes}".encode()
-            ).hexdigest()[:20]
+                f"{group.base}|price={model.kind_share}|cap={model.nbytes}|calls={calls}"
+                .encode()).hexdigest()[:20]
+            if token == group.token:
+                continue
+            if _GROUPS.get(token) is not group:
+                fresh.append(group)  # (a token of its before: its graph is cached)
             _GROUPS[token] = group  # (the old token still finds it, for graphs that hold it)
             group.token = token
             for slot in group.slots:
                 slot.token = token
+        groups = fresh
         model.recompiled(len(groups))
         # each new token is a new cache entry of the regions' shared forward code, beside
         # the old ones (Dynamo keeps them): room for two more per group (a first block

@@ -16,7 +16,42 @@ from .budgets.step_peak import StepPeak
 from .region_groups import rekey
 from .torch_internals import pytree, queue_backward_callback
 
-__all__ = ["BudgetStep", "MeasuredSteps", "step_peak_of"]
+__all__ = ["BudgetStep", "EagerHook", "MeasuredSteps", "step_peak_of"]
+
+_EAGER_REASON = ("sac_compile: apply_regions(memory_budget=PeakBudget(n)) measures each step "
+                 "from the model's hooks, which run outside the compiled graphs (one graph "
+                 "break at the model's call; fullgraph=True cannot hold it: compile the "
+                 "blocks one by one, or give the PeakBudget to make_backend)")
+
+
+def _eager(fn: Any) -> Any:
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER_REASON)
+    except TypeError:  # (a torch without ``reason``)
+        return torch.compiler.disable(fn)
+
+
+class EagerHook:
+    """A model hook that runs eagerly under ``torch.compile`` of the whole model: Dynamo
+    breaks the graph at it (before the model's forward, or after it) rather than tracing
+    it, where it would do nothing. A step-peak budget's hooks must run: they begin the
+    step's measurement and set the kept-byte cap the regions' graphs are compiled at, so
+    a model compiled whole, with or without graph breaks, holds the budget as eager mode
+    and blocks compiled one by one do. Picklable (a saved model keeps its budget)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    __call__ = _eager(__call__)
+
+    def __copy__(self) -> EagerHook:  # copies of the model share the budget
+        return self
+
+    def __deepcopy__(self, memo: dict) -> EagerHook:
+        return self
 
 
 class BudgetStep:
@@ -64,7 +99,7 @@ def step_peak_of(model: nn.Module) -> StepPeak | None:
     ``fits`` (per step signature: the cap, the measured steps, whether done) and ``notes``;
     None without one."""
     for hook in model._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
+        owner = getattr(getattr(hook, "hook", hook), "__self__", None)
         if isinstance(owner, MeasuredSteps):
             return owner.controller
     return None
@@ -115,6 +150,9 @@ class MeasuredSteps:
             if len(model.notes) > self._prices:  # the step that ended was priced again,
                 self._solved[last] = model.nbytes  # at its cap: a pattern its plans lacked
                 controller.reopen()
+            elif model.compiles != self._compiles:  # a graph its calibration never ran
+                controller.reopen("compiled a graph of the regions after its signature "
+                                  "was calibrated (a branch or a block its graphs lacked)")
         cap = controller.begin(signature, device)
         self._compiles, self._region_calls = model.compiles, 0
         fit = controller.fits[signature]
@@ -184,7 +222,8 @@ class MeasuredSteps:
             model = self.controller.model
             kept = step_kept(model)
             with model.lock:
-                ran = sum(model.graph_runs.values())  # blocks compiled one by one ran
+                # blocks compiled one by one, or a graph of them all, ran
+                ran = sum(model.graph_runs.values()) + model.whole_runs
                 if not kept and ran:  # what their splits keep (each block's share)
                     kept = sum(model.shares.values())
                 compiled = model.compiles != self._compiles

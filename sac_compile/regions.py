@@ -18,7 +18,7 @@ from . import runtime
 from .module_regions import RegionConfig, wrap_module
 from .budgets import ModelBudget, PeakBudget, RegionBudget, module_kind, region_budget
 from .budgets.step_peak import StepPeak
-from .region_steps import BudgetStep, MeasuredSteps, step_peak_of  # noqa: F401 (public here)
+from .region_steps import BudgetStep, EagerHook, MeasuredSteps, step_peak_of  # noqa: F401 (public here)
 from .region_groups import frame_in_group
 from .region_names import _check_target, _region_name
 from .region_run import run_region
@@ -215,9 +215,10 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
         if budget is not None and not isinstance(budget.value, float) else None
     if peak is not None:
         measured = MeasuredSteps(StepPeak(peak, shared))
-        model.register_forward_pre_hook(BudgetStep(shared))
-        model.register_forward_pre_hook(measured.begin, with_kwargs=True)
-        model.register_forward_hook(measured.after_forward)
+        # (run eagerly under a compile of the whole model: a graph break at them)
+        model.register_forward_pre_hook(EagerHook(BudgetStep(shared)))
+        model.register_forward_pre_hook(EagerHook(measured.begin), with_kwargs=True)
+        model.register_forward_hook(EagerHook(measured.after_forward))
     elif shared is not None:
         # A call of the model is a step: the budget caps what a step's region calls keep
         # together (eager: its calls are counted and priced when it ends; blocks compiled

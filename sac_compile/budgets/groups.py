@@ -167,12 +167,12 @@ def our_budget_groups(nodes: list[fx.Node]) -> list[BudgetGroup]:
         group.partial = group.model is not None and bool(set(group.model.members) -
                                                          names[key])
         if group.model is not None and group.model.step_peak is not None and \
-                not group.partial:
-            # (blocks compiled one by one run under the model's eager hooks, which measure
-            # the step; a graph holding every block runs them traced: nothing would)
+                not group.partial and not group.model.steps_begun:
+            # (the model's step hooks run eagerly, a graph break at them, and measure the
+            # step; a graph holding every block compiled before any step began (the
+            # model's forward compiled without its hooks): nothing would)
             raise group.model.hooks_traced_error(
-                f"regions {', '.join(sorted(names[key])[:3])}", "the whole model is being "
-                "compiled as one graph, which runs them traced")
+                f"regions {', '.join(sorted(names[key])[:3])}")
     return list(groups.values())
 
 

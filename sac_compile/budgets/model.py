@@ -8,8 +8,8 @@ place:
 * the compiled engine, blocks compiled one by one (:mod:`.kinds`): :meth:`record_kinds`
   (a kind's network, and the price over the kinds once every kind was recorded),
   :meth:`count_runs` (a compiled graph's region calls, :mod:`sac_compile.compiler.
-  budget_runs`), :meth:`count_step` (at the next call of the model: kinds that ran more
-  calls than the split assumed), :meth:`take_rekey` and :meth:`recompiled`
+  budget_runs`; :meth:`count_whole_run`: a graph of all of them ran), :meth:`count_step`
+  (at the next call of the model: kinds that ran more calls than the split assumed), :meth:`take_rekey` and :meth:`recompiled`
   (:func:`sac_compile.region_groups.rekey`), :meth:`record_shares` (each region's share
   of a split, :mod:`.groups`);
 * the eager engine (:mod:`sac_compile.runtime.model_budget`): :meth:`eager_state` (its
@@ -53,6 +53,7 @@ class ModelBudget:
         # Compiled blocks' region calls counted in this step (compiler/budget_runs.py), and
         # the most a step made of each kind once more than its blocks (a block run twice).
         self.graph_runs: collections.Counter = collections.Counter()
+        self.whole_runs = 0  # runs of a graph holding every member (a step-peak budget's)
         self.calls: dict[str, int] = {}
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
@@ -117,28 +118,35 @@ class ModelBudget:
 
     def count_runs(self, kind: str, calls: int) -> None:
         """A compiled graph ran, holding ``calls`` region calls of ``kind``. Under a
-        step-peak controller whose steps never began (the model's hooks were compiled
-        into a graph, as with the model compiled whole around graph breaks): a
+        step-peak controller whose steps never began (the model's hooks never ran: its
+        ``forward`` was compiled or called rather than the model): a
         :class:`~sac_compile.errors.CompiledCheckpointError`, since nothing measures."""
         with self.lock:
             if self.step_peak is not None and not self.steps_begun:
-                raise self.hooks_traced_error(
-                    f"regions of {self.members[0]!r}...", "those hooks were compiled with "
-                    "the model (its compile has graph breaks between the blocks)")
+                raise self.hooks_traced_error(f"regions of {self.members[0]!r}...")
             self.graph_runs[kind] += calls
 
-    def hooks_traced_error(self, regions: str, how: str) -> Exception:
-        """The error for a step-peak budget whose step hooks run traced (``how``): nothing
-        would measure a step (a model compiled whole; around graph breaks)."""
+    def hooks_traced_error(self, regions: str) -> Exception:
+        """The error for a step-peak budget whose step hooks never ran (the model's
+        ``forward`` compiled, or called, instead of the model): nothing would measure a
+        step."""
         from ..errors import CompiledCheckpointError
         return CompiledCheckpointError(
             f"{regions}: apply_regions(memory_budget={self.step_peak!r}) is held by measuring "
-            f"steps, marked by the model's forward hooks, and {how}: nothing would measure "
-            f"a step. Give the peak budget to the backend instead: apply_regions(model, "
-            f"policy, where=...) without a memory_budget, and torch.compile(model, "
-            f"backend=make_backend(memory_budget={self.step_peak!r})) (its step is measured "
-            f"at compile time); or compile the blocks one by one (block.compile(...)), which "
-            f"this budget holds")
+            f"steps, marked by the model's hooks, and a graph of its regions is compiled or run "
+            f"with no step begun (the model's forward was compiled, or called, rather "
+            f"than the model): nothing would measure a step. Compile and call the model "
+            f"itself (torch.compile(model) or model.compile(): its hooks run eagerly around "
+            f"the graphs), or its blocks one by one (block.compile(...)); or give the peak "
+            f"budget to the backend: apply_regions(model, policy, where=...) without a "
+            f"memory_budget, and torch.compile(model, backend=make_backend(memory_budget="
+            f"{self.step_peak!r})) (its step is measured at compile time)")
+
+    def count_whole_run(self) -> None:
+        """A compiled graph holding every member ran (a step-peak budget's model compiled
+        whole): the step's kept bytes are its split's shares."""
+        with self.lock:
+            self.whole_runs += 1
 
     def count_step(self) -> set[str]:
         """A step is over (the model is called again): the kinds whose compiled graphs made
@@ -148,6 +156,7 @@ class ModelBudget:
         the new counts)."""
         with self.lock:
             runs, self.graph_runs = dict(self.graph_runs), type(self.graph_runs)()
+            self.whole_runs = 0
             more = {k: n for k, n in runs.items() if n > self.calls_of(k)}
             if not more:
                 return set()

@@ -145,15 +145,17 @@ class StepPeak:
             self._start(device)
         return fit.cap
 
-    def reopen(self) -> None:
+    def reopen(self, why: str = "ran calls its plans did not have") -> None:
         """The step that ended was priced again (a pattern of calls its plans did not
-        have: a block run once more, one skipped before): its signature is measured again
-        from its cap, as in calibration."""
+        have: a block run once more, one skipped before), or compiled a graph of the
+        regions (``why``: a pattern the compiled graphs did not have, a branch taken or a
+        block run for the first time): its signature is measured again from its cap, as
+        in calibration."""
         fit = self.fits.get(self.signature)
         if fit is not None and fit.done:
             fit.done, fit.tries = False, []
-            self._note(f"{self.budget.label()}: step {self.step} ran calls its plans did "
-                       f"not have; the next steps are measured again")
+            self._note(f"{self.budget.label()}: step {self.step} {why}; the next steps "
+                       f"are measured again")
 
     def measuring(self) -> bool:
         """Whether the step begun is measured (its backward's end must be reported)."""

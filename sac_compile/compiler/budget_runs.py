@@ -9,6 +9,13 @@ callable the backend returns is wrapped: each run of a graph counts, per kind of
 region calls it holds (:attr:`ModelBudget.graph_runs`). The model's step hook
 (:class:`sac_compile.region_steps.BudgetStep`) reads the count when the step ends
 (:meth:`sac_compile.budgets.ModelBudget.count_step`).
+
+A graph holding every block of a model is one cap over all its calls: its calls are not
+counted. Under a step-peak budget (``apply_regions(..., memory_budget=PeakBudget(n))``, a
+model compiled whole: its step hooks run eagerly) the measuring controller still needs to
+know that such a graph was compiled (a step that compiles is not measured) and that it ran
+(the step's kept bytes are its split's): :meth:`ModelBudget.compiled_graph` and
+:meth:`ModelBudget.count_whole_run`.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ __all__ = ["counted"]
 def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
     """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
     Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
-    holding every block of a model is one cap over all its calls: not counted."""
+    holding every block of a model is one cap over all its calls: ``(model, None, 0)``
+    under a step-peak budget (its runs are told, not counted), left out otherwise."""
     from ..region_groups import group_of_token, name_in_graph
     from .regions_compiled import region_checkpoints
     found: collections.Counter = collections.Counter()
@@ -40,8 +48,9 @@ def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
             models[id(budget.model)] = budget.model
             found[(id(budget.model), budget.kind)] += 1
             names[id(budget.model)].add(name_in_graph(group, node))
-    return [(models[m], kind, n) for (m, kind), n in found.items()
-            if not names[m] >= set(models[m].members)]
+    whole = {m for m in models if names[m] >= set(models[m].members)}
+    return [(models[m], kind, n) for (m, kind), n in found.items() if m not in whole] + \
+        [(models[m], None, 0) for m in whole if models[m].step_peak is not None]
 
 
 def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
@@ -56,6 +65,9 @@ def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
         for model, kind, n in calls:
-            model.count_runs(kind, n)
+            if kind is None:
+                model.count_whole_run()
+            else:
+                model.count_runs(kind, n)
         return compiled(*args, **kwargs)
     return run
