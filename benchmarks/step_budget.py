@@ -26,8 +26,12 @@ twice: caps placed in time (the default: per depth of the calls holding their va
 the former rule), with the FLOPs the backward recomputed (the replayed ops' FLOPs, counted
 as the compiler counts them) and the ops it replayed.
 
+``--apply-regions`` (compiled): beside each of ours, ``apply_regions(...,
+memory_budget=PeakBudget(P))`` with the model compiled whole: its cap set by measured
+steps (each cap tried compiles once more), the steps it took.
+
     python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor|eager]
-        [--size bench] [--json out.json] [--plot]
+        [--size bench] [--json out.json] [--plot] [--apply-regions]
 """
 from __future__ import annotations
 
@@ -64,8 +68,11 @@ def row(model: str, label: str, p: StepPoint) -> str:
             f"{_mib(p.kept)} {err:>6s}{status}")
 
 
-def sweep(model: str, size: str, compiler: str) -> list[tuple[str, StepPoint, StepPoint | None]]:
-    """(label, torch point, ours at its measured peak) per torch point, and ours alone."""
+def sweep(model: str, size: str, compiler: str, apply_rows: bool = False
+          ) -> list[tuple[str, StepPoint, StepPoint | None]]:
+    """(label, torch point, ours at its measured peak) per torch point, and ours alone;
+    ``apply_rows``: also ``apply_regions(..., memory_budget=PeakBudget(P))`` with the model
+    compiled whole (its cap set by measured steps, each cap compiled once more)."""
     ref = reference_step(model, size, dropout=False)
 
     def run(strategy: str, **kw) -> StepPoint:
@@ -88,6 +95,12 @@ def sweep(model: str, size: str, compiler: str) -> list[tuple[str, StepPoint, St
             if mine.measured is not None and theirs.flops:
                 print(f"{'':6s}   ours / torch: peak {mine.measured / theirs.measured:.3f}, "
                       f"FLOPs {(mine.flops or 0) / theirs.flops:.3f}", flush=True)
+            if apply_rows:
+                applied = run_eager_step(
+                    model, size, policies.relaxed(policies.save_matmuls), reference=ref,
+                    budget=PeakBudget(theirs.measured), dropout=False, compiler=compiler)
+                print(row(model, f"  apply_regions, PeakBudget({theirs.measured})", applied)
+                      + f"  after {applied.steps} steps, {applied.note}", flush=True)
         out.append((label, theirs, mine))
     return out
 
@@ -162,6 +175,8 @@ def main() -> None:
     ap.add_argument("--size", default="bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--apply-regions", action="store_true",
+                    help="also apply_regions' PeakBudget, the model compiled whole")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     try:
@@ -173,7 +188,8 @@ def main() -> None:
     print(f"{'model':6s} {'strategy':34s} {'measured':>8s} {'modelled':>8s} {'GFLOPs':>6s} "
           f"{'kept':>8s} {'grad':>6s}")
     rows = {m: eager_sweep(m, args.size) if args.compiler == "eager" else
-            sweep(m, args.size, args.compiler) for m in args.models.split(",")}
+            sweep(m, args.size, args.compiler, args.apply_regions)
+            for m in args.models.split(",")}
     if args.json:
         Path(args.json).write_text(json.dumps(
             {m: [(lbl, dataclasses.asdict(t), m2 and dataclasses.asdict(m2))

@@ -68,6 +68,35 @@ def test_eager_measured_step_peak_within_the_budget(name, references):
     assert flops[0] <= (full.flops / 2 if name == "gpt2" else full.flops)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_apply_regions_compiled_whole_measured_step_peak_within_the_budget(name, references):
+    """``apply_regions(..., memory_budget=PeakBudget(n))`` with the model compiled whole
+    (aot_eager): its step hooks run eagerly around the graph, so measured steps set the
+    cap and each cap compiles the graph once more. Three budgets from full AC's measured
+    step peak (our ``recompute_all`` regions, compiled) to no budget's: after calibration
+    the measured step is at most ``n`` and at least 85% of it, with no checkpointing's
+    gradients; the FLOPs recomputed never rise with the budget."""
+    ref = _reference(references, name, dropout=False)
+    relaxed = policies.relaxed(policies.save_matmuls)
+
+    def run(policy, budget=None):
+        return _ok(run_eager_step(name, "bench", policy, budget=budget, reference=ref,
+                                  dropout=False, compiler="aot_eager"))
+
+    free, full = run(relaxed), run(policies.recompute_all)
+    assert full.measured < free.measured
+    flops = []
+    for n in [full.measured, (full.measured + free.measured) // 2,
+              full.measured + 9 * (free.measured - full.measured) // 10]:
+        p = run(relaxed, PeakBudget(n))
+        print(f"{name} aot_eager apply_regions PeakBudget({n}): measured {p.measured} "
+              f"({p.measured / n:.3f}), {p.flops} FLOPs recomputed ({p.flops / full.flops:.3f}x "
+              f"full AC's), after {p.steps} steps, {p.note}")
+        assert 0.85 * n <= p.measured <= n, (n, p)
+        flops.append(p.flops)
+    assert flops == sorted(flops, reverse=True)
+
+
 # (name, budget) -> (modelled, measured) step peaks of the Inductor points, for the model's test
 INDUCTOR_POINTS: dict[tuple[str, int], tuple[int, int]] = {}
 

@@ -149,48 +149,77 @@ def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
 
 
 def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
-                   reference: dict | None = None, dropout: bool = True) -> StepPoint:
-    """One measured eager step of model ``name`` with ``apply_regions(model, policy,
-    where=<its blocks>, memory_budget=budget)``: with a
-    :class:`~sac_compile.budgets.PeakBudget`, the steps before it calibrate (until its
-    controller measures no more, at most ``MAX_STEPS`` + 1), then one more is measured."""
+                   reference: dict | None = None, dropout: bool = True,
+                   compiler: str | None = None) -> StepPoint:
+    """One measured step of model ``name`` with ``apply_regions(model, policy,
+    where=<its blocks>, memory_budget=budget)``, eager, or with ``compiler`` the model
+    compiled whole (``torch.compile(model, backend=make_backend(compiler=compiler))``):
+    with a :class:`~sac_compile.budgets.PeakBudget`, the steps before it calibrate (until
+    its controller measures no more: at most ``MAX_STEPS`` + 1 eager, twice that
+    compiled, where each cap tried compiles once more), then one more is measured.
+    Compiled, the FLOPs and kept bytes are those of the splits the measured step ran."""
     from ..budgets.step_peak import MAX_STEPS
+    from ..compiler import make_backend
     from ..measured_peak import measured_peak
     from ..regions import apply_regions, step_peak_of
     from ..runtime import collect_stats
+    from ..torch_internals import dynamo_reset, inductor_config
 
-    point = StepPoint(f"ours eager {getattr(policy, '__name__', policy)}", budget)
+    label = f"ours {'eager' if compiler is None else compiler + ' apply_regions'}"
+    point = StepPoint(f"{label} {getattr(policy, '__name__', policy)}", budget)
     model, inputs = build_model(name, size, dropout)
     blocks = {id(b) for b in model.blocks}
     apply_regions(model, policy, where=lambda path, m: id(m) in blocks,
                   memory_budget=budget)
     controller = step_peak_of(model)
     fits = [controller.fits] if controller is not None else []
+    reports: list[PartitionReport] = []
+    splits: list[PartitionReport] = []  # the splits of the last step that compiled
+    fn: Any = model
+    if compiler is not None:
+        dynamo_reset()
+        fn = torch.compile(model, backend=make_backend(compiler=compiler,
+                                                       on_partition=reports.append))
 
     def step() -> None:
         torch.manual_seed(0)
-        loss_of(model(*inputs)).backward()
+        made = len(reports)
+        loss_of(fn(*inputs)).backward()
+        if len(reports) > made:
+            splits[:] = reports[made:]
 
-    try:
-        for point.steps in range(1, MAX_STEPS + 2):
-            step()
-            clear_grads(model, inputs)
-            if not fits or (fits[0] and all(f.done for f in fits[0].values())):
-                break
-        gc.collect()
-        with measured_peak() as m, collect_stats() as stats:
-            step()
-    except CheckpointError as e:  # (a BudgetUnreachableError: a row that says so)
-        point.status, point.note = "unreachable", str(e).split("\n")[0][:160]
-        point.proposed = getattr(e, "proposed_budget", None)
-        return point
-    point.measured, point.replayed = m.bytes, len(stats.recomputed_ops)
-    point.flops = stats.recomputed_flops
-    point.kept = sum(r.nbytes for r in stats.saved)
+    # (Inductor draws dropout masks from eager's RNG only with fallback_random, so that
+    # its gradients can be checked against eager's)
+    with inductor_config.patch(fallback_random=compiler == "inductor" and dropout):
+        try:
+            limit = MAX_STEPS + 2 if compiler is None else 2 * MAX_STEPS + 3
+            for point.steps in range(1, limit):
+                step()
+                clear_grads(model, inputs)
+                if not fits or (fits[0] and all(f.done for f in fits[0].values())):
+                    break
+            gc.collect()
+            with measured_peak() as m, collect_stats() as stats:
+                step()
+        except CheckpointError as e:  # (a BudgetUnreachableError: a row that says so)
+            point.status, point.note = "unreachable", str(e).split("\n")[0][:160]
+            point.proposed = getattr(e, "proposed_budget", None)
+            return point
+    point.measured = m.bytes
+    if compiler is None:
+        point.replayed = len(stats.recomputed_ops)
+        point.flops = stats.recomputed_flops
+        point.kept = sum(r.nbytes for r in stats.saved)
+    else:
+        point.flops = sum(r.recompute_flops for r in splits)
+        point.kept = sum(r.saved_bytes for r in splits)
+        point.note = f"{len(reports)} splits made, {len(splits)} in the step"
     if reference is not None:
         largest = max(float(g.abs().max()) for g in reference.values())
         point.grad_rel = max_grad_diff(reference, grads_of(model, inputs)) / largest
     clear_grads(model, inputs)
+    if compiler is not None:
+        dynamo_reset()
     return point
 
 
