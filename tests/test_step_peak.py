@@ -434,6 +434,19 @@ def test_a_block_skipped_then_run_compiled_whole_is_measured_again(bounds):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_below_the_least_compiled_whole_proposes_the_backends_peak_budget(bounds):
+    """Compiled whole, a budget below what the least kept-byte cap measures: the error
+    proposes the measured least and, as the model runs one graph, the backend's
+    PeakBudget (its split chosen on the step's timeline can reach lower peaks)."""
+    model, fn, _ = _compiled(False, RELAXED, PeakBudget(1_000_000))
+    x = stack_inputs()
+    with pytest.raises(BudgetUnreachableError) as e:
+        for _ in range(2 * step_peak.MAX_STEPS):
+            fn(x).backward()
+    assert e.value.proposed_budget.value >= 1_000_000
+    assert "make_backend(memory_budget=PeakBudget(value=1000000))" in str(e.value)
+
+
 def test_two_batch_sizes_compiled_whole_each_reuse_their_graph():
     """Batch 4 and batch 2 alternate under a model compiled whole: each signature's cap
     is its own, and a cap seen before finds its graph in Dynamo's cache (the token is made

@@ -54,6 +54,7 @@ class ModelBudget:
         # the most a step made of each kind once more than its blocks (a block run twice).
         self.graph_runs: collections.Counter = collections.Counter()
         self.whole_runs = 0  # runs of a graph holding every member (a step-peak budget's)
+        self.whole_graph = False  # such a graph ever ran (the model compiled whole)
         self.calls: dict[str, int] = {}
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
@@ -147,6 +148,7 @@ class ModelBudget:
         whole): the step's kept bytes are its split's shares."""
         with self.lock:
             self.whole_runs += 1
+            self.whole_graph = True
 
     def count_step(self) -> set[str]:
         """A step is over (the model is called again): the kinds whose compiled graphs made

@@ -325,7 +325,13 @@ class StepPeak:
             f"measured, a step with its regions keeping the least they can ({kept:,} B: "
             f"everything the policy lets be recomputed is) peaked at {peak:,} B",
             ["recompute more (a policy whose MUST_SAVE decisions are PREFER_SAVE: "
-             "policies.relaxed(policy)), or make the step smaller (batch, sequence)"],
+             "policies.relaxed(policy)), or make the step smaller (batch, sequence)"] + (
+                ["(the model compiled whole in one graph) give the peak budget to the "
+                 "backend instead, whose split is chosen on the step's timeline (keeping "
+                 "more can lower the peak, which a kept-byte cap cannot find): "
+                 "apply_regions(model, policy, where=...) without a memory_budget and "
+                 f"torch.compile(model, backend=make_backend(memory_budget={self.budget!r}))"]
+                if self.model.whole_graph else []),
             budget=self.budget, least=peak, unconstrained=max(peak, self.unconstrained()),
             note="the peak counts every tensor the step allocates, gradients included")
 
