@@ -267,6 +267,7 @@ def rekey(model: Any) -> None:
             calls = sorted(model.calls.items())
             token = "sac:" + hashlib.sha256(
                 f"{group.base}|price={model.kind_share}|cap={model.nbytes}|calls={calls}"
+                f"|margin={model.graph_margin}"
                 .encode()).hexdigest()[:20]
             if token == group.token:
                 continue

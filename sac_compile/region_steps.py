@@ -154,6 +154,8 @@ class MeasuredSteps:
                 controller.reopen("compiled a graph of the regions after its signature "
                                   "was calibrated (a branch or a block its graphs lacked)")
         cap = controller.begin(signature, device)
+        if model.rekey:  # (a graph of every block to split again: lower_graph_peak)
+            rekey(model)
         self._compiles, self._region_calls = model.compiles, 0
         fit = controller.fits[signature]
         if fit.prefix_caps is not None:  # caps placed in time (budgets/nested.py)
@@ -227,4 +229,6 @@ class MeasuredSteps:
                 if not kept and ran:  # what their splits keep (each block's share)
                     kept = sum(model.shares.values())
                 compiled = model.compiles != self._compiles
-            self.controller.end(kept, compiled=compiled, calls=step_order(model))
+                whole = model.whole_runs > 0 and not any(model.graph_runs.values())
+            self.controller.end(kept, compiled=compiled, calls=step_order(model),
+                                whole=whole)

@@ -146,17 +146,20 @@ def test_the_budget_is_part_of_a_regions_cache_key():
     assert "share=4096.0" in budget_cache_text(RegionBudget(BUDGET, two, "k1"))
     one = ModelBudget(BUDGET, ("a", "b"), ("k", "k"))
     assert "share=even" in budget_cache_text(RegionBudget(BUDGET, one, "k"))
-    # a step-peak budget's graph of every block (a model compiled whole) is cut at the cap
-    # its measured steps set: each cap its own cache entry
+    # a step-peak budget's graph of every block (a model compiled whole) is split under
+    # the step's PeakBudget, lowered by what measured steps found above it: each lowered
+    # cap its own cache entry (the kept-byte cap does not enter it)
     from sac_compile import PeakBudget
     peak = ModelBudget(0, ("a", "b"), ("k", "k"))
     peak.step_peak = PeakBudget(2_000_000)
-    whole = []
-    for cap in (0, 4096, 0):
-        peak.set_cap(cap)
-        whole.append(budget_cache_text(RegionBudget(PeakBudget(2_000_000), peak, "k"),
-                                       whole=True))
-    assert whole[0] != whole[1] and whole[0] == whole[2]
+
+    def whole():
+        return budget_cache_text(RegionBudget(PeakBudget(2_000_000), peak, "k"), whole=True)
+    first = whole()
+    peak.set_cap(4096)
+    assert whole() == first
+    peak.lower_graph_peak(1000)
+    assert whole() != first and "peak=1999000" in whole()
 
 
 def test_a_kind_compiled_again_before_its_new_token_stays_at_the_even_split():

@@ -54,7 +54,9 @@ class ModelBudget:
         # the most a step made of each kind once more than its blocks (a block run twice).
         self.graph_runs: collections.Counter = collections.Counter()
         self.whole_runs = 0  # runs of a graph holding every member (a step-peak budget's)
-        self.whole_graph = False  # such a graph ever ran (the model compiled whole)
+        # Such a graph is split under the step-peak budget itself, lowered by this: what
+        # measured steps found above it (the peak model's error; budgets/step_peak.py).
+        self.graph_margin = 0
         self.calls: dict[str, int] = {}
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
@@ -148,7 +150,21 @@ class ModelBudget:
         whole): the step's kept bytes are its split's shares."""
         with self.lock:
             self.whole_runs += 1
-            self.whole_graph = True
+
+    def graph_peak_budget(self) -> Any:
+        """The PeakBudget a graph holding every member is split under (a step-peak
+        budget's model compiled whole): the step's, lowered by :attr:`graph_margin`."""
+        from .values import PeakBudget
+        with self.lock:
+            return PeakBudget(max(int(self.step_peak.value) - self.graph_margin, 2))
+
+    def lower_graph_peak(self, excess: int) -> None:
+        """A step of a graph holding every member measured ``excess`` bytes above the
+        budget: its split is made again under a cap lowered by that much more (its kinds
+        get new tokens at the next step's start)."""
+        with self.lock:
+            self.graph_margin += excess
+            self.rekey |= set(self.kinds)
 
     def count_step(self) -> set[str]:
         """A step is over (the model is called again): the kinds whose compiled graphs made

@@ -74,9 +74,10 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
     text = f"{type(budget.value).__name__}:{budget.value!r}"
     model = budget.model
     if model is not None:
-        if whole:  # (its cap: the model's bytes, set by measured steps under a PeakBudget)
+        if whole:  # (a step-peak budget's: split under the step's PeakBudget, lowered)
             return text + f"|model of {len(model.members)}|whole graph" + (
-                f"|cap={model.nbytes}" if model.step_peak is not None else "")
+                f"|peak={model.graph_peak_budget().value}" if model.step_peak is not None
+                else "")
         with model.lock:
             shares = model.kind_share
             pending = budget.kind in model.rekey  # (until then: the even split)

@@ -66,7 +66,7 @@ from typing import Any
 from .model import ModelBudget
 from .values import PeakBudget
 
-__all__ = ["StepPeak", "MAX_STEPS", "USED"]
+__all__ = ["StepPeak", "MAX_STEPS", "USED", "stop_for_a_trial"]
 
 MAX_STEPS = 6   # measured steps per signature at most
 USED = 0.9      # done once a step within the budget uses this much of it
@@ -119,6 +119,7 @@ class StepPeak:
         self._measured: Any = None    # the MeasuredPeak of the step being measured
         self._kept: int | None = None  # its regions' kept bytes, once its backward ended
         self._calls: list[tuple[Any, int]] = []  # its region calls, in order, and their bytes
+        self._whole = False  # it ran one compiled graph of every region call
         self._pending: Exception | None = None  # decided while another model's step began
         self.notes: list[str] = []
 
@@ -170,7 +171,7 @@ class StepPeak:
             self._measured.mark(phase)
 
     def end(self, kept: int, *, compiled: bool = False,
-            calls: list[tuple[Any, int]] | None = None) -> None:
+            calls: list[tuple[Any, int]] | None = None, whole: bool = False) -> None:
         """The step's backward is over, its regions kept ``kept`` bytes: the measurement
         marks the step's end (what follows, an optimizer step, is not the step's); a step
         that ``compiled`` its blocks is not decided on (the next is measured). The
@@ -180,6 +181,7 @@ class StepPeak:
         if self._measured is not None and self._kept is None:
             self._kept = -1 if compiled else kept
             self._calls = list(calls or [])
+            self._whole = whole
             self._measured.mark(_END)
 
     def _finish(self) -> None:
@@ -195,7 +197,10 @@ class StepPeak:
                        f"disturbed (another profiler started during it); measured again")
         elif m is not None and kept is not None:
             peak = max(top for phase, top in m.phases.items() if phase != _END)
-            self._decide(self.fits[signature], kept, peak, m, calls)
+            if self._whole:
+                self._decide_whole(self.fits[signature], kept, peak)
+            else:
+                self._decide(self.fits[signature], kept, peak, m, calls)
 
     def unconstrained(self) -> int:
         """What the regions keep without a budget, as far as the last price knows."""
@@ -274,6 +279,30 @@ class StepPeak:
                 caps[d - 1] = min(caps[d - 1], over - 1)
         return [max(c, 0.0) for c in caps]
 
+    def _decide_whole(self, fit: _Fit, kept: int, peak: int) -> None:
+        """The step ran one compiled graph of every region call (the model compiled
+        whole), split under the step's PeakBudget itself (``compiler/choose_cut.py``):
+        no cap to calibrate, only the peak model's error. Within ``n``: done. Above: that
+        graph's cap is lowered by the excess (compiled again at the next step), at most
+        :data:`MAX_STEPS` measured steps, then :class:`BudgetUnreachableError`."""
+        n, label = self.n, self.budget.label()
+        fit.tries.append((fit.cap, kept, peak))
+        fit.tried_caps.append(None)
+        if peak > n and len(fit.tries) >= MAX_STEPS:
+            raise self._unreachable(kept, min(t[2] for t in fit.tries))
+        if peak > n:
+            log.warning("sac_compile: %s: step %d measured %s B (above the budget by %s B); "
+                        "the graph's split is made again under a cap lowered by that much",
+                        label, self.step, f"{peak:,}", f"{peak - n:,}")
+            self.model.lower_graph_peak(peak - n)
+        else:
+            fit.done = True
+        tries = "; ".join(f"{p:,} B" for _, _, p in fit.tries)
+        state = "done" if fit.done else (
+            f"next: split under {self.model.graph_peak_budget().label()}")
+        self._note(f"{label} (measured steps, one graph of every region call split under "
+                   f"the step's peak budget): steps measured {tries}; {state}")
+
     def _decide_one_cap(self, fit: _Fit, kept: int, peak: int) -> None:
         n = self.n
         fit.tries.append((fit.cap, kept, peak))
@@ -325,13 +354,7 @@ class StepPeak:
             f"measured, a step with its regions keeping the least they can ({kept:,} B: "
             f"everything the policy lets be recomputed is) peaked at {peak:,} B",
             ["recompute more (a policy whose MUST_SAVE decisions are PREFER_SAVE: "
-             "policies.relaxed(policy)), or make the step smaller (batch, sequence)"] + (
-                ["(the model compiled whole in one graph) give the peak budget to the "
-                 "backend instead, whose split is chosen on the step's timeline (keeping "
-                 "more can lower the peak, which a kept-byte cap cannot find): "
-                 "apply_regions(model, policy, where=...) without a memory_budget and "
-                 f"torch.compile(model, backend=make_backend(memory_budget={self.budget!r}))"]
-                if self.model.whole_graph else []),
+             "policies.relaxed(policy)), or make the step smaller (batch, sequence)"],
             budget=self.budget, least=peak, unconstrained=max(peak, self.unconstrained()),
             note="the peak counts every tensor the step allocates, gradients included")
 
@@ -386,6 +409,19 @@ class StepPeak:
         self._measured, self._kept = None, None
         if stack is not None:
             stack.close()
+
+
+def stop_for_a_trial() -> None:
+    """A graph compiled inside the step being measured is about to be measured on its own
+    before its first run (Inductor's trial, ``compiler/measured_fit.py``), and on the CPU
+    that measurement is a profiler, which cannot nest: the step's is stopped. A step that
+    compiles is never decided on (compiling allocates what a step does not); the next
+    step at its signature is measured."""
+    ctrl = _RUNNING[0]() if _RUNNING[0] is not None else None
+    if ctrl is not None and ctrl._measuring is not None and ctrl._kept is None:
+        ctrl._stop()
+        ctrl._note(f"{ctrl.budget.label()}: step {ctrl.step} compiled a graph measured on "
+                   f"its own before its first run (not measured)")
 
 
 def _call_of(phase: str) -> int:

@@ -27,7 +27,7 @@ from ..budgets import PeakBudget
 from ..report import PartitionReport
 from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInductorWrapper,
                                get_hash_for_files)
-from .budget_runs import counted
+from .budget_runs import counted, whole_model_peak
 from .measured_fit import fit_measured
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
@@ -67,7 +67,7 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
             with sac_partitioning(), _closing_checkpoints_on_error():
                 return counted(gm, fit_measured(
                     lambda: compile_fx(gm, example_inputs, config_patches=patches),
-                    example_inputs, partitioner))
+                    example_inputs, partitioner, whole_model_peak(gm)))
 
         backend = sac_inductor
     elif compiler == "aot_eager":

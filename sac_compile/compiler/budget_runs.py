@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["counted"]
+__all__ = ["counted", "whole_model_peak"]
 
 
 def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
@@ -71,3 +71,14 @@ def counted(gm: torch.fx.GraphModule, compiled: Any) -> Any:
                 model.count_runs(kind, n)
         return compiled(*args, **kwargs)
     return run
+
+
+def whole_model_peak(gm: torch.fx.GraphModule) -> Any:
+    """The PeakBudget Dynamo's graph ``gm`` is split under when it holds every region of
+    an ``apply_regions(..., memory_budget=PeakBudget(n))`` model (the model compiled whole:
+    :func:`sac_compile.compiler.choose_cut.choose_cut` takes the step's PeakBudget for it),
+    so that Inductor's measured trial holds it too; None otherwise."""
+    for model, kind, _ in _budgeted_calls(gm):
+        if kind is None:
+            return model.graph_peak_budget()
+    return None

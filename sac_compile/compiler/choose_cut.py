@@ -25,6 +25,7 @@ from ..budgets.split import solve_with_budget
 from ..cut.network import CostModel, FlowNetwork, build_flow_network, classify
 from ..cut.solvers import solve
 from ..cut.stand_ins import keep_stand_ins_off_device
+from ..errors import BudgetUnreachableError
 from .boundaries import solve_lowering_peak
 from .facts import Floor, HostWhy, PeakFit, Unfused
 from .fused_saves import solve_allocating_less
@@ -80,6 +81,7 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
     torch_budget = torch_global_budget()
     regions = region_budget_annotations(net.cls.nodes,
                                         torch_budget if memory_budget is None else None)
+    memory_budget, regions, lowered = _step_peak_of_a_whole_model(memory_budget, regions)
     ignored = torch_budget if torch_budget is not None and memory_budget is not None else None
     unfused: dict[int, Unfused] = {}
 
@@ -106,8 +108,18 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
                 return solve_with_region_budgets(n, regions, kept_cap, solver)
             return solve_with_budget(n, kept_cap, solver, exact=exact), None
 
-        (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
-                                                     fused=fusing, margin=peak_margin)
+        try:
+            (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
+                                                         fused=fusing, margin=peak_margin)
+        except BudgetUnreachableError as e:
+            if not lowered:
+                raise
+            # (lowered by measured steps below the least the model finds: the model's
+            # least, measured next; the controller calls the budget out of reach if that
+            # measures above it too)
+            memory_budget = e.proposed_budget
+            (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
+                                                         fused=fusing, margin=peak_margin)
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
                    peak_fit=fit, size_guards=_guard_sizes(net, memory_budget, regions))
@@ -121,6 +133,23 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
     return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
                unfused=dropped, size_guards=_guard_sizes(net, memory_budget, regions))
+
+
+def _step_peak_of_a_whole_model(memory_budget: Any, regions: list[Any]
+                                ) -> tuple[Any, list[Any], bool]:
+    """``apply_regions(..., memory_budget=PeakBudget(n))`` with a graph holding every block
+    (the model compiled whole): the graph is split under the step's PeakBudget as the
+    backend's would be (the cut chosen on the step's timeline: keeping more can lower the
+    peak, which no kept-byte cap finds), lowered by what measured steps found above
+    ``n``, rather than under the controller's kept-byte cap. Also whether it was
+    lowered."""
+    whole = [g for g in regions if g.model is not None and g.model.step_peak is not None
+             and not g.partial]
+    if memory_budget is not None or not whole:
+        return memory_budget, regions, False
+    model = whole[0].model
+    return model.graph_peak_budget(), [g for g in regions if g not in whole], \
+        model.graph_margin > 0
 
 
 def _guard_sizes(net: FlowNetwork, memory_budget: Any, regions: list[Any]

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..budgets import PeakBudget
+from ..budgets.step_peak import stop_for_a_trial
 from ..errors import BudgetUnreachableError
 from ..torch_internals import aot_mutated_inputs
 from .partition import SACPartitioner
@@ -53,11 +54,15 @@ MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the e
 
 
 def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
-                 partitioner: SACPartitioner) -> Any:
+                 partitioner: SACPartitioner, graph_budget: PeakBudget | None = None) -> Any:
     """``compile_once()`` (the backend's compile of one Dynamo graph), made again under a
-    lower cap while its measured step peak is above ``partitioner``'s PeakBudget."""
+    lower cap while its measured step peak is above ``partitioner``'s PeakBudget, or
+    ``graph_budget``: the one the graph is split under without the partitioner's (a graph
+    of every region of ``apply_regions(..., memory_budget=PeakBudget(n))``)."""
     budget = partitioner.memory_budget
     if not isinstance(budget, PeakBudget):
+        budget = graph_budget if budget is None else None
+    if budget is None:
         return compile_once()
     measured: list[tuple[int, int]] = []  # (margin, measured peak) per try
     margin = cap = 0  # (cap: the user's, in bytes, from the first split's report)
@@ -85,6 +90,7 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
             if report.budget_bytes is None:  # (split by torch's partitioner: no regions)
                 return _emitted(compiled, report, emit)
             cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
+            stop_for_a_trial()  # (a step-peak controller's measurement of this step)
             peak, why_not = trial_step_peak(compiled, example_inputs, written=written[0])
             if peak is None:
                 report.notes.append(f"{budget.label()}: the step was not measured before "

@@ -185,7 +185,8 @@ class SACPartitioner(CustomPartitionerFn):
         report = describe_partition(gm, split, static, solver=self.solver,
                                     timings=clock.timings, cut=cut, plan=plan,
                                     offload_flags=flags, counts=counts)
-        if cut.peak_fit is not None:
+        if cut.peak_fit is not None and self.memory_budget is not None:
+            # (not apply_regions' PeakBudget over a graph of a whole model: measured steps)
             self._peak_over_graphs(gm, report)
         out = self._emit(report, split)
         clock.lap("report")
