@@ -19,9 +19,11 @@ from .torch_internals import pytree, queue_backward_callback
 __all__ = ["BudgetStep", "EagerHook", "MeasuredSteps", "step_peak_of"]
 
 _EAGER_REASON = ("sac_compile: apply_regions(memory_budget=PeakBudget(n)) measures each step "
-                 "from the model's hooks, which run outside the compiled graphs (one graph "
-                 "break at the model's call; fullgraph=True cannot hold it: compile the "
-                 "blocks one by one, or give the PeakBudget to make_backend)")
+                 "from the model's hooks, which run outside the compiled graphs: a function "
+                 "compiled with fullgraph=True that calls the model cannot hold them. "
+                 "Compile the model itself (torch.compile(model) or model.compile(): torch "
+                 "runs its hooks outside its graph, fullgraph=True too), or its blocks one "
+                 "by one, or drop fullgraph=True (a graph break at the model's call)")
 
 
 def _eager(fn: Any) -> Any:

@@ -521,6 +521,23 @@ def test_the_models_forward_compiled_without_its_hooks_is_a_clear_error():
     assert "make_backend(memory_budget=PeakBudget" in str(err)
 
 
+def test_a_fullgraph_function_calling_the_model_names_the_fix():
+    """``torch.compile(step, fullgraph=True)`` of a function that calls the model: the
+    model's step hooks must run eagerly, which fullgraph forbids; Dynamo's error carries
+    our reason, naming the fix (compile the model itself)."""
+    from sac_compile.compiler import make_backend
+    torch._dynamo.reset()
+    model = _stack(PeakBudget(2_000_000))
+
+    @torch.compile(backend=make_backend(compiler="aot_eager"), fullgraph=True)
+    def step(x):
+        return model(x)
+    with pytest.raises(Exception) as e:
+        step(stack_inputs()).backward()
+    assert "apply_regions(memory_budget=PeakBudget(n))" in str(e.value)
+    assert "torch.compile(model)" in str(e.value)
+
+
 def test_a_users_profiler_started_during_a_calibration_step_is_not_a_measurement():
     """The calibration's CPU profiler runs from a step's start to the next call of the
     model; a profiler the user starts in between loses its events: that step is measured
