@@ -187,6 +187,13 @@ class MeasuredSteps:
         step = self.controller.step
         outputs = [o for o in pytree.tree_leaves(output)
                    if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outputs:
+            # No backward will end this step: the forward raised (this hook always runs;
+            # a BudgetUnreachableError from the graph's compile, say), or ran without
+            # gradients. Its measurement (on the CPU a profiler) stops now, undecided,
+            # rather than run on until the model's next call.
+            self.controller.close()
+            return None
 
         def reached(grad: torch.Tensor) -> None:
             if self._step != step:

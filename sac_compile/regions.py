@@ -218,7 +218,7 @@ def apply_regions(model: nn.Module, policy: PolicyLike = "recompute_all", *,
         # (run eagerly under a compile of the whole model: a graph break at them)
         model.register_forward_pre_hook(EagerHook(BudgetStep(shared)))
         model.register_forward_pre_hook(EagerHook(measured.begin), with_kwargs=True)
-        model.register_forward_hook(EagerHook(measured.after_forward))
+        model.register_forward_hook(EagerHook(measured.after_forward), always_call=True)
     elif shared is not None:
         # A call of the model is a step: the budget caps what a step's region calls keep
         # together (eager: its calls are counted and priced when it ends; blocks compiled

@@ -442,11 +442,13 @@ def test_a_block_skipped_then_run_compiled_whole_is_measured_again(bounds):
 def test_below_the_least_compiled_whole_is_unreachable_at_compile(bounds):
     """Compiled whole, a budget below the least the graph's peak model finds: the
     graph's compile raises (as the backend's PeakBudget does), proposing that least."""
+    from sac_compile.torch_internals import profiler_enabled
     model, fn, _ = _compiled(False, RELAXED, PeakBudget(1_000_000))
     with pytest.raises(BudgetUnreachableError) as e:
         fn(stack_inputs()).backward()
     assert e.value.proposed_budget.value > 1_000_000
     assert "least modelled step peak" in str(e.value)
+    assert not profiler_enabled()  # (the failed step's measurement stopped with it)
 
 
 def test_a_model_compiled_whole_by_inductor_is_measured_before_its_first_step():
@@ -458,7 +460,7 @@ def test_a_model_compiled_whole_by_inductor_is_measured_before_its_first_step():
     torch._dynamo.reset()
     x = stack_inputs()
     free_model = sc.apply_regions(_Broken(False), RELAXED, where=Block)
-    fn = torch.compile(free_model)
+    fn = torch.compile(free_model, backend=sc.make_backend())
     fn(x).backward()
     free = _compiled_step(free_model, fn, x)
     n = int(0.93 * free)
