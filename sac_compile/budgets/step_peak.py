@@ -36,6 +36,10 @@ from measured steps, per step signature (the shapes and dtypes the model is call
    embedding's gradient) has the last blocks' values freed by then, and they may be kept.
    Done when a step within ``n`` leaves no cap to raise. :data:`PLACED` False: one cap.
 
+5. One compiled graph of every region call (the model compiled whole) is split under the
+   step's PeakBudget itself (``compiler/choose_cut.py``): a step within ``n`` is done, one
+   above lowers that graph's cap by the excess (``ModelBudget.lower_graph_peak``).
+
 Why measured and not modelled: the eager step's peak is every tensor the program holds
 (parameters' gradients as they are made, the loss, temporaries of each op, what other
 code around the regions keeps), and a block that runs twice or is skipped is whatever the
