@@ -147,19 +147,27 @@ def test_the_budget_is_part_of_a_regions_cache_key():
     one = ModelBudget(BUDGET, ("a", "b"), ("k", "k"))
     assert "share=even" in budget_cache_text(RegionBudget(BUDGET, one, "k"))
     # a step-peak budget's graph of every block (a model compiled whole) is split under
-    # the step's PeakBudget, lowered by what measured steps found above it: each lowered
-    # cap its own cache entry (the kept-byte cap does not enter it)
+    # the step's PeakBudget, lowered by what measured steps found above it; a graph of
+    # some blocks at the kept-byte cap its steps set. Each key carries both, so a graph
+    # classified either way never shares an entry across either (a block whose ops are
+    # all pruned from the joint graph would be "whole" to Dynamo's graph, "some" to the
+    # split): each cap and each lowered peak its own entry, in both kinds of key
     from sac_compile import PeakBudget
     peak = ModelBudget(0, ("a", "b"), ("k", "k"))
     peak.step_peak = PeakBudget(2_000_000)
 
-    def whole():
-        return budget_cache_text(RegionBudget(PeakBudget(2_000_000), peak, "k"), whole=True)
-    first = whole()
+    def texts():
+        budget = RegionBudget(PeakBudget(2_000_000), peak, "k")
+        return budget_cache_text(budget, whole=True), budget_cache_text(budget)
+    first = texts()
     peak.set_cap(4096)
-    assert whole() == first
+    capped = texts()
     peak.lower_graph_peak(1000)
-    assert whole() != first and "peak=1999000" in whole()
+    lowered = texts()
+    for before, after in zip(first, capped):
+        assert before != after and "cap=4096" in after
+    for before, after in zip(capped, lowered):
+        assert before != after and "peak=1999000" in after
 
 
 def test_a_kind_compiled_again_before_its_new_token_stays_at_the_even_split():

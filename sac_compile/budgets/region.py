@@ -74,10 +74,13 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
     text = f"{type(budget.value).__name__}:{budget.value!r}"
     model = budget.model
     if model is not None:
-        if whole:  # (a step-peak budget's: split under the step's PeakBudget, lowered)
-            return text + f"|model of {len(model.members)}|whole graph" + (
-                f"|peak={model.graph_peak_budget().value}" if model.step_peak is not None
-                else "")
+        # (a step-peak budget's graph of every block is split under the step's PeakBudget,
+        # lowered by what measured steps found above it; a graph of some, at the kept-byte
+        # cap they set: each key carries both, whichever way a graph is classified)
+        peak = (f"|cap={model.nbytes}|peak={model.graph_peak_budget().value}"
+                if model.step_peak is not None else "")
+        if whole:
+            return text + f"|model of {len(model.members)}|whole graph" + peak
         with model.lock:
             shares = model.kind_share
             pending = budget.kind in model.rekey  # (until then: the even split)
@@ -87,8 +90,7 @@ def budget_cache_text(budget: RegionBudget | None, *, whole: bool = False) -> st
         text += f"|model of {len(model.members)}|kind={budget.kind}|share={share}"
         if model.calls:  # a step runs some blocks more than once: a smaller even split
             text += f"|calls={sorted(model.calls.items())!r}"
-        if model.step_peak is not None:  # the cap measured steps set (budgets/step_peak.py)
-            text += f"|cap={model.nbytes}"
+        text += peak  # (the cap measured steps set, budgets/step_peak.py)
     return text
 
 
