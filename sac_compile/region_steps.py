@@ -233,11 +233,11 @@ class MeasuredSteps:
             model = self.controller.model
             kept = step_kept(model)
             with model.lock:
-                # blocks compiled one by one, or a graph of them all, ran
-                ran = sum(model.graph_runs.values()) + model.whole_runs
+                ran = sum(model.graph_runs.values())  # blocks compiled one by one ran
                 if not kept and ran:  # what their splits keep (each block's share)
                     kept = sum(model.shares.values())
                 compiled = model.compiles != self._compiles
-                whole = model.whole_runs > 0 and not any(model.graph_runs.values())
+                # (a graph of them all ran: split under the step's PeakBudget, no cap)
+                whole = model.whole_runs > 0 and not ran
             self.controller.end(kept, compiled=compiled, calls=step_order(model),
                                 whole=whole)

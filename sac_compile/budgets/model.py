@@ -9,8 +9,8 @@ place:
   (a kind's network, and the price over the kinds once every kind was recorded),
   :meth:`count_runs` (a compiled graph's region calls, :mod:`sac_compile.compiler.
   budget_runs`; :meth:`count_whole_run`: a graph of all of them ran), :meth:`count_step`
-  (at the next call of the model: kinds that ran more calls than the split assumed), :meth:`take_rekey` and :meth:`recompiled`
-  (:func:`sac_compile.region_groups.rekey`), :meth:`record_shares` (each region's share
+  (at the next call of the model: kinds that ran more calls than the split assumed),
+  :meth:`take_rekey` and :meth:`recompiled` (:func:`sac_compile.region_groups.rekey`), :meth:`record_shares` (each region's share
   of a split, :mod:`.groups`);
 * the eager engine (:mod:`sac_compile.runtime.model_budget`): :meth:`eager_state` (its
   bookkeeping of steps and prices) and :meth:`priced` (the price found over a step).
@@ -147,7 +147,8 @@ class ModelBudget:
 
     def count_whole_run(self) -> None:
         """A compiled graph holding every member ran (a step-peak budget's model compiled
-        whole): the step's kept bytes are its split's shares."""
+        whole): that step is judged against the PeakBudget its graph was split under
+        (:meth:`graph_peak_budget`), not a kept-byte cap."""
         with self.lock:
             self.whole_runs += 1
 

@@ -14,8 +14,8 @@ A graph holding every block of a model is one cap over all its calls: its calls 
 counted. Under a step-peak budget (``apply_regions(..., memory_budget=PeakBudget(n))``, a
 model compiled whole: its step hooks run eagerly) the measuring controller still needs to
 know that such a graph was compiled (a step that compiles is not measured) and that it ran
-(the step's kept bytes are its split's): :meth:`ModelBudget.compiled_graph` and
-:meth:`ModelBudget.count_whole_run`.
+(it was split under the step's PeakBudget, so the step is judged by that, not by a
+kept-byte cap): :meth:`ModelBudget.compiled_graph` and :meth:`ModelBudget.count_whole_run`.
 """
 from __future__ import annotations
 
