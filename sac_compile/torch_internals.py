@@ -172,6 +172,10 @@ _LAZY: dict[str, _Entry] = {
     # enable_autograd_cache) and Inductor's (custom_partitioner_fn,
     # post_grad_custom_pre_pass, fallback_random).
     "functorch_config": _Entry("torch._functorch.config", None),
+    # Dynamo's counters: AOTAutograd's cache counts its hits in them ("aot_autograd",
+    # "autograd_cache_hit"); a graph it served was split in an earlier compile, which the
+    # measured check of a PeakBudget measures again (compiler/measured_fit.py).
+    "dynamo_counters": _Entry("torch._dynamo.utils", "counters"),
     # Whether a profiler is running: the measured check of a PeakBudget under Inductor
     # measures with one on the CPU, and does not start a second (2.11-2.13).
     "profiler_enabled": _Entry("torch._C._autograd", "_profiler_enabled"),

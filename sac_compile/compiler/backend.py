@@ -14,7 +14,9 @@
 Both give each of our regions in Dynamo's graph the ``cache_hash`` AOTAutograd's cache
 needs (:mod:`.cache_keys`), so a warm compile is a cache hit - unless an ``on_partition``
 callback asks for reports: a cache hit skips the partitioner, hence its report, so then
-those graphs bypass AOTAutograd's cache (Inductor's FX graph cache still applies).
+those graphs bypass AOTAutograd's cache (Inductor's FX graph cache still applies); so do
+those under a PeakBudget fraction (a split under a PeakBudget in bytes that the cache
+serves is measured, :mod:`.measured_fit`).
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from ..budgets import PeakBudget
+
 from ..report import PartitionReport
 from ..torch_internals import (AotAutograd, CustomGraphPass, TorchCompileInductorWrapper,
                                get_hash_for_files)
 from .budget_runs import counted, whole_model_peak
-from .measured_fit import fit_measured
+from .measured_fit import cache_may_serve, fit_measured
 from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
 from .near_fusion import near_fusion_patches
@@ -133,12 +135,12 @@ def _closing_checkpoints_on_error() -> Any:
 def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:
     """Name each region of Dynamo's graph (regions of one group share a token); key our
     regions for AOTAutograd's cache, unless reports are asked for (a hit would skip the
-    partitioner and its ``on_partition`` call), a PeakBudget is (its split's step is
-    measured against the cap the partitioner resolved, :mod:`.measured_fit`), or the
-    partitioner is not ours."""
+    partitioner and its ``on_partition`` call), the partitioner is not ours, or its budget
+    is a PeakBudget fraction (:func:`.measured_fit.cache_may_serve`: a split under a
+    PeakBudget in bytes that the cache serves is measured as a fresh one is)."""
     name_regions(gm)
     if isinstance(partitioner, SACPartitioner) and partitioner.on_partition is None and \
-            not isinstance(partitioner.memory_budget, PeakBudget):
+            cache_may_serve(partitioner.memory_budget):
         annotate_regions(gm)
 
 

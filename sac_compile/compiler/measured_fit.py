@@ -48,7 +48,7 @@ from ..errors import BudgetUnreachableError
 from ..torch_internals import aot_mutated_inputs
 from .partition import SACPartitioner
 
-__all__ = ["fit_measured", "trial_step_peak", "trial_inputs", "MAX_TRIES"]
+__all__ = ["fit_measured", "cache_may_serve", "trial_step_peak", "trial_inputs", "MAX_TRIES"]
 
 MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the excess)
 
@@ -70,6 +70,7 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
     try:
         for _ in range(MAX_TRIES):
             partitioner.peak_margin, partitioner.last_report = margin, None
+            hits = _aot_cache_hits()
             try:
                 with _backward_compiled_now(), \
                         aot_mutated_inputs(len(example_inputs)) as written:
@@ -85,28 +86,44 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                 margin = least_margin
                 continue
             report = partitioner.last_report
-            if report is None:
+            if report is None and _aot_cache_hits() > hits:
+                # Served by AOTAutograd's cache: split in an earlier compile (another
+                # process) under this try's key, which names the cap lowered by `margin`,
+                # not what that compile measured: a first try measured above the cap and
+                # lowered is in the cache too, under the first try's key. So what is
+                # served is measured as a fresh split is.
+                if not cache_may_serve(budget):
+                    raise RuntimeError(f"sac_compile: AOTAutograd's cache served a graph "
+                                       f"split under {budget.label()}, whose regions were "
+                                       f"not keyed for it (a bug: please report it)")
+                cap = budget.value
+            elif report is None:
                 return compiled  # not partitioned (an inference graph)
-            if report.budget_bytes is None:  # (split by torch's partitioner: no regions)
+            elif report.budget_bytes is None:  # (split by torch's partitioner: no regions)
                 return _emitted(compiled, report, emit)
-            cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
+            else:
+                cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
             stop_for_a_trial()  # (a step-peak controller's measurement of this step)
             peak, why_not = trial_step_peak(compiled, example_inputs, written=written[0])
             if peak is None:
-                report.notes.append(f"{budget.label()}: the step was not measured before "
-                                    f"the first run ({why_not}); it holds as the model does")
+                if report is not None:
+                    report.notes.append(f"{budget.label()}: the step was not measured before "
+                                        f"the first run ({why_not}); it holds as the model "
+                                        f"does")
                 return _emitted(compiled, report, emit)
             measured.append((margin, peak))
             if peak <= cap:
-                report.notes.append(_held_note(budget, cap, measured))
-                report.budget_bytes, report.budget_measured = cap, peak
+                if report is not None:
+                    report.notes.append(_held_note(budget, cap, measured))
+                    report.budget_bytes, report.budget_measured = cap, peak
                 return _emitted(compiled, report, emit)
             # lowered by the excess; where the last lowering did not lower the measured
             # peak, by the model's error at this split (what it measured above its modelled
             # step peak) if that is more, else by twice the excess
             excess = peak - cap
             stuck = len(measured) > 1 and peak >= measured[-2][1]
-            error = peak - (report.budget_peak or peak)
+            modelled = report.budget_peak if report is not None else None
+            error = peak - (modelled or peak)
             margin = max(margin + excess * (2 if stuck else 1), error if stuck else 0)
         raise _still_above(budget, cap, measured, None)
     finally:
@@ -126,8 +143,21 @@ def _backward_compiled_now() -> Iterator[None]:
         yield
 
 
+def _aot_cache_hits() -> int:
+    from ..torch_internals import dynamo_counters
+    return dynamo_counters["aot_autograd"].get("autograd_cache_hit", 0)
+
+
+def cache_may_serve(budget: Any) -> bool:
+    """Whether AOTAutograd's cache may serve a graph split under ``budget`` (the backend
+    then keys its regions for it): yes, but under a PeakBudget fraction, whose cap is the
+    unconstrained split's modelled peak, which only a partition gives - a served split
+    could not be measured against it. (Inductor's own cache still serves the code.)"""
+    return not (isinstance(budget, PeakBudget) and not isinstance(budget.value, int))
+
+
 def _emitted(compiled: Any, report: Any, emit: Callable[[Any], Any] | None) -> Any:
-    if emit is not None:
+    if emit is not None and report is not None:
         emit(report)
     return compiled
 
