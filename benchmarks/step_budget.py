@@ -30,8 +30,13 @@ as the compiler counts them) and the ops it replayed.
 memory_budget=PeakBudget(P))`` with the model compiled whole: its cap set by measured
 steps (each cap tried compiles once more), the steps it took.
 
+``--compile-blocks`` (compiled): ``apply_regions(..., memory_budget=PeakBudget(n))`` with
+each block compiled on its own (torchtitan's order): no budget, ``recompute_all`` (full
+AC), then n at full AC's measured peak and at 1/2 and 9/10 of the way to no budget's,
+each beside the model compiled whole at the same n.
+
     python benchmarks/step_budget.py [--models gpt2,llama] [--compiler aot_eager|inductor|eager]
-        [--size bench] [--json out.json] [--plot] [--apply-regions]
+        [--size bench] [--json out.json] [--plot] [--apply-regions] [--compile-blocks]
 """
 from __future__ import annotations
 
@@ -140,6 +145,40 @@ def eager_sweep(model: str, size: str) -> list[tuple[str, StepPoint, StepPoint |
     return out
 
 
+def blocks_sweep(model: str, size: str, compiler: str
+                 ) -> list[tuple[str, StepPoint, StepPoint | None]]:
+    """``apply_regions(..., memory_budget=PeakBudget(n))`` with each block compiled on its
+    own (torchtitan's order): no budget, ``recompute_all`` (full AC, ours), then n at full
+    AC's measured peak and 1/2 and 9/10 of the way to no budget's; beside each, the model
+    compiled whole at the same n (one graph, split under the step's peak budget)."""
+    ref = reference_step(model, size, dropout=False)
+    relaxed = policies.relaxed(policies.save_matmuls)
+
+    def run(policy, budget=None, blocks=True) -> StepPoint:
+        return run_eager_step(model, size, policy, budget=budget, reference=ref,
+                              dropout=False, compiler=compiler, compile_blocks=blocks)
+
+    def show(label: str, p: StepPoint) -> StepPoint:
+        print(row(model, label, p) + f"  after {p.steps} steps, {p.note}", flush=True)
+        return p
+
+    free = show("blocks, no budget", run(relaxed))
+    full = show("blocks, recompute_all (full AC)", run(policies.recompute_all))
+    out = [("blocks, no budget", free, None), ("blocks, full AC", full, None)]
+    if free.measured is None or full.measured is None:
+        return out
+    for f in (0.0, 0.5, 0.9):
+        n = full.measured + int(f * (free.measured - full.measured))
+        for blocks in (True, False):
+            how = "blocks" if blocks else "whole"
+            mine = show(f"  {how}, PeakBudget({n})", run(relaxed, PeakBudget(n), blocks))
+            if mine.measured is not None:
+                print(f"{'':6s}   measured / budget {mine.measured / n:.3f}; FLOPs / full AC's "
+                      f"{(mine.flops or 0) / max(full.flops or 1, 1):.3f}", flush=True)
+            out.append((f"PeakBudget({n}), {how}", full, mine))
+    return out
+
+
 def plot(rows: dict[str, list], path: Path) -> None:
     try:
         import matplotlib
@@ -177,6 +216,9 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--apply-regions", action="store_true",
                     help="also apply_regions' PeakBudget, the model compiled whole")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="apply_regions' PeakBudget with each block compiled on its own, "
+                         "beside the model compiled whole")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     try:
@@ -188,6 +230,7 @@ def main() -> None:
     print(f"{'model':6s} {'strategy':34s} {'measured':>8s} {'modelled':>8s} {'GFLOPs':>6s} "
           f"{'kept':>8s} {'grad':>6s}")
     rows = {m: eager_sweep(m, args.size) if args.compiler == "eager" else
+            blocks_sweep(m, args.size, args.compiler) if args.compile_blocks else
             sweep(m, args.size, args.compiler, args.apply_regions)
             for m in args.models.split(",")}
     if args.json:

@@ -150,14 +150,17 @@ def run_step(name: str, size: str, strategy: str, *, compiler: str = "inductor",
 
 def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
                    reference: dict | None = None, dropout: bool = True,
-                   compiler: str | None = None) -> StepPoint:
+                   compiler: str | None = None, compile_blocks: bool = False) -> StepPoint:
     """One measured step of model ``name`` with ``apply_regions(model, policy,
     where=<its blocks>, memory_budget=budget)``, eager, or with ``compiler`` the model
-    compiled whole (``torch.compile(model, backend=make_backend(compiler=compiler))``):
-    with a :class:`~sac_compile.budgets.PeakBudget`, the steps before it calibrate (until
-    its controller measures no more: at most ``MAX_STEPS`` + 1 eager, twice that
-    compiled, where each cap tried compiles once more), then one more is measured.
-    Compiled, the FLOPs and kept bytes are those of the splits the measured step ran."""
+    compiled whole (``torch.compile(model, backend=make_backend(compiler=compiler))``),
+    or, ``compile_blocks``, each block compiled on its own (``block.compile(backend=...,
+    fullgraph=True)``, torchtitan's order): with a :class:`~sac_compile.budgets.PeakBudget`,
+    the steps before it calibrate (until its controller measures no more: at most
+    ``MAX_STEPS`` + 1 eager, twice that compiled, where each cap tried compiles once
+    more), then one more is measured. Compiled, the FLOPs and kept bytes are those of the
+    splits the measured step ran (blocks compiled one by one: one split, shared by every
+    block, times the block calls)."""
     from ..budgets.step_peak import MAX_STEPS
     from ..compiler import make_backend
     from ..measured_peak import measured_peak
@@ -165,7 +168,8 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
     from ..runtime import collect_stats
     from ..torch_internals import dynamo_reset, inductor_config
 
-    label = f"ours {'eager' if compiler is None else compiler + ' apply_regions'}"
+    label = f"ours {'eager' if compiler is None else compiler + ' apply_regions'}" + \
+        (" blocks" if compile_blocks else "")
     point = StepPoint(f"{label} {getattr(policy, '__name__', policy)}", budget)
     model, inputs = build_model(name, size, dropout)
     blocks = {id(b) for b in model.blocks}
@@ -178,8 +182,12 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
     fn: Any = model
     if compiler is not None:
         dynamo_reset()
-        fn = torch.compile(model, backend=make_backend(compiler=compiler,
-                                                       on_partition=reports.append))
+        backend = make_backend(compiler=compiler, on_partition=reports.append)
+        if compile_blocks:
+            for block in model.blocks:
+                block.compile(backend=backend, fullgraph=True)
+        else:
+            fn = torch.compile(model, backend=backend)
 
     def step() -> None:
         torch.manual_seed(0)
@@ -210,6 +218,14 @@ def run_eager_step(name: str, size: str, policy: Any, *, budget: Any = None,
         point.replayed = len(stats.recomputed_ops)
         point.flops = stats.recomputed_flops
         point.kept = sum(r.nbytes for r in stats.saved)
+    elif compile_blocks:
+        calls = len(model.blocks)
+        if len(splits) != 1:  # (identical blocks share one graph: several is not these)
+            point.status, point.note = "error", f"{len(splits)} splits for {calls} blocks"
+            return point
+        point.flops = splits[0].recompute_flops * calls
+        point.kept = splits[0].saved_bytes * calls
+        point.note = f"{len(reports)} splits made, 1 in the step x {calls} blocks"
     else:
         point.flops = sum(r.recompute_flops for r in splits)
         point.kept = sum(r.saved_bytes for r in splits)
