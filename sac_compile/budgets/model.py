@@ -57,6 +57,9 @@ class ModelBudget:
         # Such a graph is split under the step-peak budget itself, lowered by this: what
         # measured steps found above it (the peak model's error; budgets/step_peak.py).
         self.graph_margin = 0
+        # That graph was last split at the least the model finds (lowered below it): a
+        # lower cap would split it the same way.
+        self.graph_least = False
         self.calls: dict[str, int] = {}
         self.weight: float | None = None          # the price found (None: not yet)
         self.shares: dict[str, int] = {}          # region name -> bytes it keeps
@@ -159,13 +162,17 @@ class ModelBudget:
         with self.lock:
             return PeakBudget(max(int(self.step_peak.value) - self.graph_margin, 2))
 
-    def lower_graph_peak(self, excess: int) -> None:
+    def lower_graph_peak(self, excess: int) -> bool:
         """A step of a graph holding every member measured ``excess`` bytes above the
         budget: its split is made again under a cap lowered by that much more (its kinds
-        get new tokens at the next step's start)."""
+        get new tokens at the next step's start). False where it was split at the model's
+        least already (:attr:`graph_least`): nothing lower to compile."""
         with self.lock:
+            if self.graph_least:
+                return False
             self.graph_margin += excess
             self.rekey |= set(self.kinds)
+            return True
 
     def count_step(self) -> set[str]:
         """A step is over (the model is called again): the kinds whose compiled graphs made

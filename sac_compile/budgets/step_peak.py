@@ -38,24 +38,18 @@ from measured steps, per step signature (the shapes and dtypes the model is call
 
 5. One compiled graph of every region call (the model compiled whole) is split under the
    step's PeakBudget itself (``compiler/choose_cut.py``): a step within ``n`` is done, one
-   above lowers that graph's cap by the excess (``ModelBudget.lower_graph_peak``).
+   above lowers that graph's cap by the excess (``ModelBudget.lower_graph_peak``); split
+   at its model's least, it is measured again, and raises above ``n`` a second time.
 
-Why measured and not modelled: the eager step's peak is every tensor the program holds
-(parameters' gradients as they are made, the loss, temporaries of each op, what other
-code around the regions keeps), and a block that runs twice or is skipped is whatever the
-step does; the measurement sees all of it, a model sees what it was told. The cost: the
-calibration steps (at most :data:`MAX_STEPS` per signature) run under the measurement (on
-the CPU the profiler, which adds time, never bytes; on an accelerator its peak statistic,
-reset at the step's start), and the first recomputes all it may. A user's own CPU profiler
-running at a calibration step's start: that step is not measured (the CPU measurement is a
-profiler; it cannot nest), a note says so.
+Why measured: the step's peak is every tensor the program holds (gradients as they are
+made, the loss, each op's temporaries, what code around the regions keeps, a block run
+twice or skipped); the measurement sees all of it, a model what it was told. The cost:
+the calibration steps (at most :data:`MAX_STEPS` per signature) run under the measurement
+(on the CPU the profiler: time, never bytes; a step begun under the user's own is not
+measured), and the first recomputes all it may.
 
-Several ranks (data parallel): each measures its own steps and may settle on another
-cap; a warning says so at the first step (regions holding collectives need every rank to
-recompute alike: a kept-byte budget there).
-
-This module decides; :mod:`sac_compile.regions` marks the step's start and end (the
-model's forward pre-hook, the end of the backward) and applies the cap.
+Several ranks: each measures its own steps (a warning says so). This module decides;
+:mod:`sac_compile.region_steps` marks the step's start and end and applies the cap.
 """
 from __future__ import annotations
 
@@ -96,6 +90,7 @@ class _Fit:
     prefix_caps: list[float] | None = None
     tried_caps: list[list[float] | None] = dataclasses.field(default_factory=list)
     over_prefix: dict[int, int] = dataclasses.field(default_factory=dict)
+    least_over: int = 0  # steps of a whole graph split at its least measured above n
 
     def within(self, n: int) -> list[tuple[int, int, int]]:
         return [t for t in self.tries if t[2] <= n]
@@ -287,23 +282,26 @@ class StepPeak:
         """The step ran one compiled graph of every region call (the model compiled
         whole), split under the step's PeakBudget itself (``compiler/choose_cut.py``):
         no cap to calibrate, only the peak model's error. Within ``n``: done. Above: that
-        graph's cap is lowered by the excess (compiled again at the next step), at most
-        :data:`MAX_STEPS` measured steps, then :class:`BudgetUnreachableError`."""
+        graph's cap is lowered by the excess (compiled again at the next step); split at
+        the model's least, measured again. :class:`BudgetUnreachableError` after two steps
+        at the least above ``n``, or :data:`MAX_STEPS` measured steps."""
         n, label = self.n, self.budget.label()
         fit.tries.append((fit.cap, kept, peak))
         fit.tried_caps.append(None)
-        if peak > n and len(fit.tries) >= MAX_STEPS:
-            raise self._unreachable(kept, min(t[2] for t in fit.tries))
+        fit.least_over += peak > n and self.model.graph_least
+        if peak > n and (len(fit.tries) >= MAX_STEPS or fit.least_over >= 2):
+            raise self._unreachable(kept, min(t[2] for t in fit.tries), whole=True)
+        lowered = peak > n and self.model.lower_graph_peak(peak - n)
         if peak > n:
             log.warning("sac_compile: %s: step %d measured %s B (above the budget by %s B); "
-                        "the graph's split is made again under a cap lowered by that much",
-                        label, self.step, f"{peak:,}", f"{peak - n:,}")
-            self.model.lower_graph_peak(peak - n)
-        else:
-            fit.done = True
+                        "%s", label, self.step, f"{peak:,}", f"{peak - n:,}",
+                        "the graph's split is made again under a cap lowered by that much"
+                        if lowered else "split at the least its model finds: measured again")
+        fit.done = peak <= n
         tries = "; ".join(f"{p:,} B" for _, _, p in fit.tries)
         state = "done" if fit.done else (
-            f"next: split under {self.model.graph_peak_budget().label()}")
+            f"next: split under {self.model.graph_peak_budget().label()}" if lowered else
+            "next: the same split (the least its model finds), measured again")
         self._note(f"{label} (measured steps, one graph of every region call split under "
                    f"the step's peak budget): steps measured {tries}; {state}")
 
@@ -351,12 +349,17 @@ class StepPeak:
                  f"next step's cap {fit.cap:,} B")
         self._note(f"{label} (measured steps): steps measured {tries}; {state}")
 
-    def _unreachable(self, kept: int, peak: int) -> Exception:
+    def _unreachable(self, kept: int, peak: int, whole: bool = False) -> Exception:
         from .unreachable import unreachable_error
         return unreachable_error(
             f"{self.budget.label()} for the step of apply_regions",
-            f"measured, a step with its regions keeping the least they can ({kept:,} B: "
-            f"everything the policy lets be recomputed is) peaked at {peak:,} B",
+            "measured, " + ("the steps of the compiled graph of every region call, split "
+                            "under the budget lowered by what each measured above it, "
+                            f"down to the least its model finds, peaked at {peak:,} B at "
+                            "least" if whole else
+                            f"a step with its regions keeping the least they can ({kept:,} "
+                            f"B: everything the policy lets be recomputed is) peaked at "
+                            f"{peak:,} B"),
             ["recompute more (a policy whose MUST_SAVE decisions are PREFER_SAVE: "
              "policies.relaxed(policy)), or make the step smaller (batch, sequence)"],
             budget=self.budget, least=peak, unconstrained=max(peak, self.unconstrained()),

@@ -81,7 +81,7 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
     torch_budget = torch_global_budget()
     regions = region_budget_annotations(net.cls.nodes,
                                         torch_budget if memory_budget is None else None)
-    memory_budget, regions, lowered = _step_peak_of_a_whole_model(memory_budget, regions)
+    memory_budget, regions, whole = _step_peak_of_a_whole_model(memory_budget, regions)
     ignored = torch_budget if torch_budget is not None and memory_budget is not None else None
     unfused: dict[int, Unfused] = {}
 
@@ -111,15 +111,18 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
         try:
             (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
                                                          fused=fusing, margin=peak_margin)
+            if whole is not None:
+                whole.graph_least = False
         except BudgetUnreachableError as e:
-            if not lowered:
+            if whole is None or not whole.graph_margin:
                 raise
             # (lowered by measured steps below the least the model finds: the model's
             # least, measured next; the controller calls the budget out of reach if that
-            # measures above it too)
+            # measures above it too, without compiling it again)
             memory_budget = e.proposed_budget
             (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
                                                          fused=fusing, margin=peak_margin)
+            whole.graph_least = True
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,
                    peak_fit=fit, size_guards=_guard_sizes(net, memory_budget, regions))
@@ -136,20 +139,19 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
 
 
 def _step_peak_of_a_whole_model(memory_budget: Any, regions: list[Any]
-                                ) -> tuple[Any, list[Any], bool]:
+                                ) -> tuple[Any, list[Any], Any]:
     """``apply_regions(..., memory_budget=PeakBudget(n))`` with a graph holding every block
     (the model compiled whole): the graph is split under the step's PeakBudget as the
     backend's would be (the cut chosen on the step's timeline: keeping more can lower the
     peak, which no kept-byte cap finds), lowered by what measured steps found above
-    ``n``, rather than under the controller's kept-byte cap. Also whether it was
-    lowered."""
+    ``n``, rather than under the controller's kept-byte cap. Also that model's budget
+    (:class:`~sac_compile.budgets.ModelBudget`), None where the graph is not such."""
     whole = [g for g in regions if g.model is not None and g.model.step_peak is not None
              and not g.partial]
     if memory_budget is not None or not whole:
-        return memory_budget, regions, False
+        return memory_budget, regions, None
     model = whole[0].model
-    return model.graph_peak_budget(), [g for g in regions if g not in whole], \
-        model.graph_margin > 0
+    return model.graph_peak_budget(), [g for g in regions if g not in whole], model
 
 
 def _guard_sizes(net: FlowNetwork, memory_budget: Any, regions: list[Any]
