@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["counted", "whole_model_peak"]
+__all__ = ["counted", "whole_model_peak", "whole_models"]
 
 
-def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
-    """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
-    Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
-    holding every block of a model is one cap over all its calls: ``(model, None, 0)``
-    under a step-peak budget (its runs are told, not counted), left out otherwise."""
+def _regions_by_model(gm: torch.fx.GraphModule
+                      ) -> tuple[dict[int, Any], collections.Counter, set[int]]:
+    """The whole-model budgets of the regions in Dynamo's graph ``gm`` (by ``id``), how many
+    region calls of each ``(model, kind)`` one run of it makes, and the models all of
+    whose members' regions it holds (their split is one cap over the graph)."""
     from ..region_groups import group_of_token, name_in_graph
     from .regions_compiled import region_checkpoints
     found: collections.Counter = collections.Counter()
@@ -48,7 +48,22 @@ def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
             models[id(budget.model)] = budget.model
             found[(id(budget.model), budget.kind)] += 1
             names[id(budget.model)].add(name_in_graph(group, node))
-    whole = {m for m in models if names[m] >= set(models[m].members)}
+    return models, found, {m for m in models if names[m] >= set(models[m].members)}
+
+
+def whole_models(gm: torch.fx.GraphModule) -> set[int]:
+    """The whole-model budgets (by ``id``) all of whose members' regions are in Dynamo's
+    graph ``gm``: the one walk that says so for the cache keys
+    (:mod:`.cache_keys`), the run counts and the graph's step-peak budget (here)."""
+    return _regions_by_model(gm)[2]
+
+
+def _budgeted_calls(gm: torch.fx.GraphModule) -> list[tuple[Any, str, int]]:
+    """``(model budget, kind, region calls)`` of the whole-model budgets' regions in
+    Dynamo's graph ``gm`` (its checkpoint calls, each a region call per run). A graph
+    holding every block of a model is one cap over all its calls: ``(model, None, 0)``
+    under a step-peak budget (its runs are told, not counted), left out otherwise."""
+    models, found, whole = _regions_by_model(gm)
     return [(models[m], kind, n) for (m, kind), n in found.items() if m not in whole] + \
         [(models[m], None, 0) for m in whole if models[m].step_peak is not None]
 

@@ -64,7 +64,8 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
     from .regions_compiled import context_fn_kind
 
     annotated = 0
-    whole = _whole_models(gm)
+    from .budget_runs import whole_models
+    whole = whole_models(gm)
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
@@ -101,26 +102,6 @@ def annotate_regions(gm: torch.fx.GraphModule) -> int:
 
 
 _SAID_BYPASSED: set[str] = set()
-
-
-def _whole_models(gm: torch.fx.GraphModule) -> set[int]:
-    """The whole-model budgets (by ``id``) all of whose regions are in ``gm``: their split
-    is one cap over the graph, which depends on no other graph."""
-    from .regions_compiled import context_fn_kind
-    names: dict[int, set[str]] = {}
-    models = {}
-    for module in gm.modules():
-        context_fn = graph_meta.checkpoint_context_fn(module) \
-            if isinstance(module, torch.fx.GraphModule) else None
-        if context_fn_kind(context_fn) != "region":
-            continue
-        group = group_of_token(context_fn.args[0])
-        model = group.budget.model if group.budget is not None else None
-        if model is not None:
-            name = context_fn.args[1] if len(context_fn.args) > 1 else group.name
-            names.setdefault(id(model), set()).add(name)
-            models[id(model)] = model
-    return {key for key, model in models.items() if names[key] >= set(model.members)}
 
 
 def _say_bypassed(name: str, why: str) -> None:
