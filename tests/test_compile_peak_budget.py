@@ -238,6 +238,58 @@ def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
         (total, cap, note)
 
 
+BROKEN_SCRIPT = """
+import json, logging, sys, torch
+import sac_compile as sc
+from fixtures.stack import Block
+from sac_compile import PeakBudget, policies
+from sac_compile.compiler import make_backend
+from torch._dynamo.utils import counters
+
+relaxed = policies.relaxed(policies.save_matmuls)
+warned = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        if "held by each compiled graph" in record.getMessage():
+            warned.append(record.getMessage())
+logging.getLogger().addHandler(Catch(level=logging.WARNING))
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = Block(), torch.nn.Sequential(Block(), Block())
+        sc.sac_region(relaxed, name="a")(self.a)
+        sc.sac_region(relaxed, name="b")(self.b)
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y).sum()
+
+x = torch.randn(4, 64, 64, requires_grad=True)
+fn = torch.compile(Broken(), backend=make_backend(memory_budget=PeakBudget(int(sys.argv[1]))))
+fn(x).backward()
+print(json.dumps({"warned": len(warned),
+                  "aot_hit": counters["aot_autograd"].get("autograd_cache_hit", 0)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_break_under_one_peak_budget_warns_when_the_cache_serves_its_graphs(
+        tmp_path):
+    """Inductor, a second process sharing the compile caches: the two graphs of a graph
+    break, split under one PeakBudget, are served by AOTAutograd's cache (no partition
+    runs), measured on stand-ins, and still counted as two graphs: the warning of the cold
+    process, again. (A per-compile key in the partitioner's pickled state, this
+    counting's first version, made every warm process miss both caches: the hits are
+    asserted.)"""
+    from fixtures.cache_process import run_with_cache
+    cold = run_with_cache(BROKEN_SCRIPT, "1200000", tmp_path)
+    warm = run_with_cache(BROKEN_SCRIPT, "1200000", tmp_path)
+    assert cold["warned"] == 1, cold
+    assert warm["aot_hit"] >= 2 and warm["warned"] == 1, warm
+
+
 def test_a_byte_budget_holds_at_every_size_under_dynamic_shapes():
     """``dynamic=True``: the split solved at batch 4 served every batch, and PeakBudget
     (3,000,000) measured 5,046,280 B at batch 8 and 7,536,648 B at batch 12. Now a byte

@@ -54,16 +54,27 @@ MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the e
 
 
 def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
-                 partitioner: SACPartitioner, graph_budget: PeakBudget | None = None) -> Any:
-    """``compile_once()`` (the backend's compile of one Dynamo graph), made again under a
-    lower cap while its measured step peak is above ``partitioner``'s PeakBudget, or
-    ``graph_budget``: the one the graph is split under without the partitioner's (a graph
-    of every region of ``apply_regions(..., memory_budget=PeakBudget(n))``)."""
+                 partitioner: SACPartitioner, graph_budget: PeakBudget | None = None,
+                 graph_key: str | None = None) -> Any:
+    """``compile_once()`` (the backend's compile of one Dynamo graph, ``graph_key``: which),
+    made again under a lower cap while its measured step peak is above ``partitioner``'s
+    PeakBudget, or ``graph_budget``: the one the graph is split under without the
+    partitioner's (a graph of every region of ``apply_regions(..., memory_budget=
+    PeakBudget(n))``)."""
     budget = partitioner.memory_budget
     if not isinstance(budget, PeakBudget):
         budget = graph_budget if budget is None else None
     if budget is None:
         return compile_once()
+    partitioner.graph_key = graph_key
+    try:
+        return _fit(compile_once, example_inputs, partitioner, budget)
+    finally:
+        partitioner.graph_key = None
+
+
+def _fit(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
+         partitioner: SACPartitioner, budget: PeakBudget) -> Any:
     measured: list[tuple[int, int]] = []  # (margin, measured peak) per try
     margin = cap = 0  # (cap: the user's, in bytes, from the first split's report)
     emit, partitioner.on_partition = partitioner.on_partition, None  # the kept split's only
@@ -116,6 +127,8 @@ def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                 if report is not None:
                     report.notes.append(_held_note(budget, cap, measured))
                     report.budget_bytes, report.budget_measured = cap, peak
+                elif partitioner.memory_budget is not None and partitioner.graph_key:
+                    partitioner.count_graph(partitioner.graph_key, peak, cap)  # (served)
                 return _emitted(compiled, report, emit)
             # lowered by the excess; where the last lowering did not lower the measured
             # peak, by the model's error at this split (what it measured above its modelled

@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..torch_internals import CustomPartitionerFn
 
 from .. import graph_meta
-from ..logs import partition_log
+from ..logs import log, partition_log
 from ..report import PartitionReport
 
 from ..cut.network import CostModel
@@ -114,6 +114,9 @@ class SACPartitioner(CustomPartitionerFn):
         # Under a PeakBudget: bytes the cap is lowered by while a split is made again
         # because its measured step was above it (:mod:`.measured_fit`); part of uuid().
         self.peak_margin = 0
+        # Under a PeakBudget: which Dynamo graph is being split (the backend's key for
+        # _peak_over_graphs, so a graph AOTAutograd's cache serves counts as the same one).
+        self.graph_key: str | None = None
 
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
@@ -126,7 +129,7 @@ class SACPartitioner(CustomPartitionerFn):
         # key): a callback that does not pickle (a local function, a lambda) is dropped
         # rather than making that pickling warn with a traceback.
         state = dict(self.__dict__)
-        state["last_report"] = None
+        state["last_report"] = state["graph_key"] = None  # (this compile's, not a key's)
         state["_peak_graphs"] = {}
         if state.get("on_partition") is not None:
             import pickle
@@ -197,29 +200,38 @@ class SACPartitioner(CustomPartitionerFn):
         graph split under it (a graph break, another block compiled on its own) may run
         in the same step, on top of the first's kept values: say so (a warning, once per
         new graph, and a note), never silently. The same graph again (a recompile at
-        another shape) is not a second graph."""
-        ops = "|".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        key = hashlib.sha256(ops.encode()).hexdigest()[:16]
+        another shape) is not a second graph: keyed by Dynamo's graph where the backend
+        says it (:attr:`graph_key`), else by this joint graph's ops."""
+        key = self.graph_key or hashlib.sha256("|".join(
+            str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+        ).encode()).hexdigest()[:16]
+        self.count_graph(key, report.budget_peak or 0, report.budget_bytes or 0, report)
+
+    def count_graph(self, key: str, peak: int, cap: int,
+                    report: PartitionReport | None = None) -> None:
+        """A graph split under this PeakBudget (``key``: which), its step peak ``peak``
+        (modelled; measured where AOTAutograd's cache served it, :mod:`.measured_fit`):
+        the note and warning of :meth:`_peak_over_graphs` once several were."""
         new = key not in self._peak_graphs
-        self._peak_graphs[key] = report.budget_peak or 0
+        self._peak_graphs[key] = peak
         if len(self._peak_graphs) < 2:
             return
         from ..report import fmt_bytes
         total = sum(self._peak_graphs.values())
-        cap = report.budget_bytes or 0
         text = (f"{self.memory_budget.label()} is held by each compiled graph on its own: "
                 f"this partitioner has split {len(self._peak_graphs)} different graphs "
                 f"(graph breaks, or modules compiled one by one); if they run in one step "
-                f"the step can peak at up to the sum of their modelled step peaks, "
+                f"the step can peak at up to the sum of their step peaks, "
                 f"{fmt_bytes(total)}")
+        notes = report.notes if report is not None else []
         if total <= cap:
-            report.notes.append(f"{text}, within the cap")
+            notes.append(f"{text}, within the cap")
             return
         text += (f", above the cap {fmt_bytes(cap)}. Compile the model whole "
                  f"(fullgraph=True) for one cap over the step, or lower the budget")
-        report.notes.append(text)
+        notes.append(text)
         if new:
-            partition_log.warning("sac_compile: %s", text)
+            log.warning("sac_compile: %s", text)
 
     def _emit(self, report: PartitionReport,
               split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
