@@ -334,6 +334,44 @@ def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
     assert tighter["measured"] <= tight, tighter
 
 
+PROFILED_SCRIPT = """
+import json, logging, sys, torch
+import sac_compile as sc
+from fixtures.stack import Block, Stack, stack_inputs
+from sac_compile import PeakBudget, policies
+from sac_compile.compiler import make_backend
+
+warned = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        if "was not measured" in record.getMessage():
+            warned.append(record.getMessage())
+logging.getLogger().addHandler(Catch(level=logging.WARNING))
+model, x = Stack(6, checkpoint="none"), stack_inputs()
+sc.apply_regions(model, policies.relaxed(policies.save_matmuls), where=Block)
+fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(2_300_000)))
+if sys.argv[1] == "profiled":  # a profiler of the user's: the CPU trial cannot measure
+    with torch.profiler.profile():
+        fn(x).backward()
+else:
+    fn(x).backward()
+print(json.dumps({"warned": len(warned)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_served_split_that_cannot_be_measured_is_not_silent(tmp_path):
+    """The stack at PeakBudget(2,300,000): the cold process's first split measured above
+    the cap, the second within, both cached. A warm process compiling under a profiler of
+    its own (the CPU trial is a profiler: it cannot measure) is served the first key's
+    split unmeasured: a warning says so (a compile that partitions notes it in the
+    report)."""
+    from fixtures.cache_process import run_with_cache
+    cold = run_with_cache(PROFILED_SCRIPT, "plain", tmp_path)
+    warm = run_with_cache(PROFILED_SCRIPT, "profiled", tmp_path)
+    assert cold["warned"] == 0 and warm["warned"] == 1, (cold, warm)
+
+
 @pytest.mark.slow
 def test_a_fractional_peak_budget_is_split_again_in_each_process(tmp_path):
     """A PeakBudget fraction's cap is the unconstrained split's modelled peak, which only

@@ -121,6 +121,11 @@ def _fit(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                     report.notes.append(f"{budget.label()}: the step was not measured before "
                                         f"the first run ({why_not}); it holds as the model "
                                         f"does")
+                else:  # (served: the split of this key, which its compile may have lowered)
+                    from ..logs import log
+                    log.warning("sac_compile: %s: a split AOTAutograd's cache served was not "
+                                "measured before its first run (%s); it may be one its first "
+                                "compile measured above the cap", budget.label(), why_not)
                 return _emitted(compiled, report, emit)
             measured.append((margin, peak))
             if peak <= cap:
