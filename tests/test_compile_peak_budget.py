@@ -239,20 +239,16 @@ def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
 
 
 BROKEN_SCRIPT = """
-import json, logging, sys, torch
+import json, sys, torch
 import sac_compile as sc
+from fixtures.cache_process import caught_warnings
 from fixtures.stack import Block
 from sac_compile import PeakBudget, policies
 from sac_compile.compiler import make_backend
 from torch._dynamo.utils import counters
 
 relaxed = policies.relaxed(policies.save_matmuls)
-warned = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        if "held by each compiled graph" in record.getMessage():
-            warned.append(record.getMessage())
-logging.getLogger().addHandler(Catch(level=logging.WARNING))
+warned = caught_warnings("held by each compiled graph")
 
 class Broken(torch.nn.Module):
     def __init__(self):

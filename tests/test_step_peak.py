@@ -335,18 +335,14 @@ def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
 
 
 PROFILED_SCRIPT = """
-import json, logging, sys, torch
+import json, sys, torch
 import sac_compile as sc
+from fixtures.cache_process import caught_warnings
 from fixtures.stack import Block, Stack, stack_inputs
 from sac_compile import PeakBudget, policies
 from sac_compile.compiler import make_backend
 
-warned = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        if "was not measured" in record.getMessage():
-            warned.append(record.getMessage())
-logging.getLogger().addHandler(Catch(level=logging.WARNING))
+warned = caught_warnings("was not measured")
 model, x = Stack(6, checkpoint="none"), stack_inputs()
 sc.apply_regions(model, policies.relaxed(policies.save_matmuls), where=Block)
 fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(2_300_000)))
