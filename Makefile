@@ -37,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/peak_measured.py
 	$(PY) benchmarks/step_budget.py --plot
 	$(PY) benchmarks/step_budget.py --compiler eager
+	$(PY) benchmarks/step_budget.py --compile-blocks
 
 # The GPU check (issue 21): CUDA tests, a Llama-style step per strategy, offload rows and
 # eager overhead, in under 8 minutes; writes $(GPU_CHECK_OUT)/gpu_check.{md,json}. Needs
