@@ -33,6 +33,12 @@ whose report goes to ``on_partition`` only for the split kept, its notes saying 
 measured.
 Still above the cap after :data:`MAX_TRIES`: :class:`~sac_compile.errors.BudgetUnreachableError`
 with the least measured peak as the proposed budget.
+
+A try AOTAutograd's cache serves (another process split it) is measured as a fresh one:
+each try's key names the cap it was split under, not what its compile measured, so a first
+split measured above the cap is in the cache too, under the key looked up first. A
+PeakBudget fraction's graphs are not served (:func:`cache_may_serve`: their cap only a
+partition gives); a served split the trial cannot measure is a warning.
 """
 from __future__ import annotations
 
