@@ -17,7 +17,7 @@ import torch
 import sac_compile as sc
 from fixtures.measure import step_peak
 from sac_compile.measured_peak import measured_peak
-from fixtures.stack import Stack, stack_inputs
+from fixtures.stack import BrokenPair, Stack, stack_inputs
 from sac_compile import BudgetUnreachableError, PeakBudget, policies
 from sac_compile.compiler import PartitionerConfig, SACPartitioner, make_backend
 from sac_compile.report import PartitionReport
@@ -200,23 +200,6 @@ def test_full_peak_budget_is_the_split_without_a_budget(reference):
     assert any("the cut without a budget fits" in n for n in report.notes)
 
 
-class _Broken(torch.nn.Module):
-    """One block, a graph break, two blocks: two different graphs in one step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from fixtures.stack import Block
-        torch.manual_seed(0)
-        self.a, self.b = Block(), torch.nn.Sequential(Block(), Block())
-        sc.sac_region(RELAXED, name="a")(self.a)
-        sc.sac_region(RELAXED, name="b")(self.b)
-
-    def forward(self, x):
-        y = self.a(x)
-        torch._dynamo.graph_break()
-        return self.b(y).sum()
-
-
 @pytest.mark.parametrize("cap", [3_000_000, 1_500_000])
 def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
     """Two graphs split under one PeakBudget each get the whole cap (a known limit): the
@@ -226,7 +209,7 @@ def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
     reports: list[PartitionReport] = []
     x = torch.randn(4, 64, 64, requires_grad=True)
     with caplog.at_level("WARNING", logger="sac_compile"):
-        torch.compile(_Broken(), backend=make_backend(
+        torch.compile(BrokenPair(RELAXED), backend=make_backend(
             compiler="aot_eager", memory_budget=PeakBudget(cap),
             on_partition=reports.append))(x).backward()
     assert len(reports) == 2 and all(r.budget_peak <= cap for r in reports)
@@ -240,30 +223,16 @@ def test_a_graph_break_under_one_peak_budget_is_not_silent(cap, caplog):
 
 BROKEN_SCRIPT = """
 import json, sys, torch
-import sac_compile as sc
 from fixtures.cache_process import caught_warnings
-from fixtures.stack import Block
+from fixtures.stack import BrokenPair
 from sac_compile import PeakBudget, policies
 from sac_compile.compiler import make_backend
 from torch._dynamo.utils import counters
 
-relaxed = policies.relaxed(policies.save_matmuls)
 warned = caught_warnings("held by each compiled graph")
-
-class Broken(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = Block(), torch.nn.Sequential(Block(), Block())
-        sc.sac_region(relaxed, name="a")(self.a)
-        sc.sac_region(relaxed, name="b")(self.b)
-    def forward(self, x):
-        y = self.a(x)
-        torch._dynamo.graph_break()
-        return self.b(y).sum()
-
 x = torch.randn(4, 64, 64, requires_grad=True)
-fn = torch.compile(Broken(), backend=make_backend(memory_budget=PeakBudget(int(sys.argv[1]))))
+model = BrokenPair(policies.relaxed(policies.save_matmuls))
+fn = torch.compile(model, backend=make_backend(memory_budget=PeakBudget(int(sys.argv[1]))))
 fn(x).backward()
 print(json.dumps({"warned": len(warned),
                   "aot_hit": counters["aot_autograd"].get("autograd_cache_hit", 0)}))

@@ -10,8 +10,8 @@ place:
   :meth:`count_runs` (a compiled graph's region calls, :mod:`sac_compile.compiler.
   budget_runs`; :meth:`count_whole_run`: a graph of all of them ran), :meth:`count_step`
   (at the next call of the model: kinds that ran more calls than the split assumed),
-  :meth:`take_rekey` and :meth:`recompiled` (:func:`sac_compile.region_groups.rekey`), :meth:`record_shares` (each region's share
-  of a split, :mod:`.groups`);
+  :meth:`take_rekey` and :meth:`recompiled` (:func:`sac_compile.region_groups.rekey`),
+  :meth:`record_shares` (each region's share of a split, :mod:`.groups`);
 * the eager engine (:mod:`sac_compile.runtime.model_budget`): :meth:`eager_state` (its
   bookkeeping of steps and prices) and :meth:`priced` (the price found over a step).
 """

@@ -21,7 +21,6 @@ serves is measured, :mod:`.measured_fit`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from .cache_keys import annotate_regions
 from .regions_compiled import name_regions
 from .near_fusion import near_fusion_patches
 from .normalize import remove_markers
-from .partition import SACPartitioner
+from .partition import SACPartitioner, ops_key
 from .tagging import sac_partitioning
 
 __all__ = ["make_backend", "sac_backend"]
@@ -70,7 +69,7 @@ def make_backend(*, compiler: str = "inductor", mode: str | None = None,
             with sac_partitioning(), _closing_checkpoints_on_error():
                 return counted(gm, fit_measured(
                     lambda: compile_fx(gm, example_inputs, config_patches=patches),
-                    example_inputs, partitioner, whole_model_peak(gm), _graph_key(gm)))
+                    example_inputs, partitioner, whole_model_peak(gm), ops_key(gm)))
 
         backend = sac_inductor
     elif compiler == "aot_eager":
@@ -131,14 +130,6 @@ def _closing_checkpoints_on_error() -> Any:
         from .regions_compiled import close_checkpoints_left_open
         close_checkpoints_left_open(e)
         raise
-
-
-def _graph_key(gm: torch.fx.GraphModule) -> str:
-    """Which Dynamo graph this is, for a PeakBudget's count of the graphs it caps: its
-    ops and its regions' (a recompile at another shape is the same graph)."""
-    ops = "|".join(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
-                   for n in m.graph.nodes if n.op == "call_function")
-    return hashlib.sha256(ops.encode()).hexdigest()[:16]
 
 
 def _let_caches_serve(gm: torch.fx.GraphModule, partitioner: Any) -> None:

@@ -44,7 +44,7 @@ from .storage import HookTraces, apply_storage, plan_storage, save_bases_of_view
 from .options import OffloadOptions, PartitionerConfig
 from .who_splits import register_partitioner
 
-__all__ = ["SACPartitioner"]
+__all__ = ["SACPartitioner", "ops_key"]
 
 # The code whose change changes a split: part of uuid(), so caches never serve a stale one.
 # Every module of the compiler, cut and budgets packages (the flow network, its costs, the
@@ -69,6 +69,15 @@ def _code_hash() -> str:
     files += [inspect.getfile(importlib.import_module(f"sac_compile.{name}"))
               for name in _HASHED_CORE]
     return get_hash_for_files(tuple(files)).hex()
+
+
+def ops_key(gm: fx.GraphModule) -> str:
+    """Which graph ``gm`` is, for a PeakBudget's count of the graphs it caps: its ops and
+    its subgraphs' (a recompile at another shape is the same graph). Addresses may be in
+    it: never part of a cache key."""
+    ops = "|".join(str(n.target) for m in gm.modules() if isinstance(m, fx.GraphModule)
+                   for n in m.graph.nodes if n.op == "call_function")
+    return hashlib.sha256(ops.encode()).hexdigest()[:16]
 
 
 @register_partitioner
@@ -202,9 +211,7 @@ class SACPartitioner(CustomPartitionerFn):
         new graph, and a note), never silently. The same graph again (a recompile at
         another shape) is not a second graph: keyed by Dynamo's graph where the backend
         says it (:attr:`graph_key`), else by this joint graph's ops."""
-        key = self.graph_key or hashlib.sha256("|".join(
-            str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-        ).encode()).hexdigest()[:16]
+        key = self.graph_key or ops_key(gm)
         self.count_graph(key, report.budget_peak or 0, report.budget_bytes or 0, report)
 
     def count_graph(self, key: str, peak: int, cap: int,
