@@ -153,6 +153,9 @@ class PartitionReport:
     # labels of the ops whose FLOPs the cost model estimated from shapes, as the report's
     # builder found them on the ops themselves (see cost_estimated)
     estimated_labels: set[str] = dataclasses.field(default_factory=set)
+    # compile, Inductor: matrix products kept apart from the adds that read them
+    # (compiler.products_apart), where Inductor's addmm would hold more memory
+    products_apart: int = 0
 
     @property
     def coverage(self) -> str:

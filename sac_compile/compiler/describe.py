@@ -44,11 +44,13 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
                        solver: str, timings: dict[str, float], cut: Cut | None = None,
                        plan: StoragePlan | None = None,
                        offload_flags: dict[str, bool] | None = None,
-                       counts: dict[str, int] | None = None) -> PartitionReport:
+                       counts: dict[str, int] | None = None,
+                       apart: int = 0) -> PartitionReport:
     """The report of a split: the cut's notes (``cut``: None for a split torch's
     partitioner made), what the final graphs save and recompute, how the saved values are
-    kept (``plan``, and the offload flags it ran with)."""
-    report = PartitionReport(mode="compile", solver=solver)
+    kept (``plan``, and the offload flags it ran with); ``apart``: the products kept apart
+    from their adds (:mod:`.products_apart`)."""
+    report = PartitionReport(mode="compile", solver=solver, products_apart=apart)
     if cut is not None:
         _describe_cut(report, cut)
     if counts and counts.get("fold_markers"):
@@ -58,6 +60,10 @@ def describe_partition(gm: fx.GraphModule, split: Split, static: set[fx.Node], *
             f"{counts['keep_storage_in_region']} values read outside their region kept as "
             f"plain saves, without the region's hooks or CPU offload (a region's storage "
             f"decisions apply to its own saves only)")
+    if apart:
+        report.notes.append(
+            f"{apart} matrix product(s) kept apart from the add that reads them (Inductor's "
+            f"addmm would hold their operands until the add)")
     _describe_graphs(report, gm, split, static)
     final = report.peak.step(cut.peak_fit.fused) \
         if cut is not None and cut.peak_fit is not None and report.peak is not None else None

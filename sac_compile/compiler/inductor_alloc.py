@@ -14,8 +14,8 @@ measured peak to the byte) with the walk; :func:`not_allocated` applies them in 
   storages, or one reading more than 12 (without this the chain of a residual stream's
   gradients is one expression, and every layer's matmul outputs lived to the end).
 * **addmm** (Inductor's post-grad pattern): a matrix product read only by an ``add`` is
-  computed by it, where the add runs (GPT-2's tied embedding: the logits' gradient, 8 MiB,
-  lives until the embedding's gradient at the backward's end).
+  computed by it, where the add runs, unless the partitioner keeps the two apart
+  (:mod:`.products_apart`: where the fold would hold more, GPT-2's tied embedding).
 * **Written in place** (Inductor's ``decide_inplace_update``, ``config.inplace_buffers``):
   a kernel whose input storage dies in it writes its output into that storage when the
   two have the dtype and (within 5%, the output not larger) the size, and it reads the
@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_meta
+from .products_apart import foldable, kept_apart
 from .storage_walk import Key, Walk, alias_source, read_only_by_fusible, storage_base
 
 __all__ = ["not_allocated", "fused_away", "written_in_place", "folded_into_addmm", "reused"]
@@ -53,7 +54,8 @@ __all__ = ["not_allocated", "fused_away", "written_in_place", "folded_into_addmm
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Computed inside the kernels that read them, as the partitioner's fusible ops (Inductor
 #: draws random numbers in the kernel from a seed; the partitioner's list predates that).
-_ALSO_FUSIBLE = frozenset({_prims.inductor_random.default, _prims.inductor_randint.default})
+_ALSO_FUSIBLE = frozenset({_prims.inductor_random.default, _prims.inductor_randint.default,
+                           _prims.add.default})  # (an add kept apart from its product)
 #: Read by a kernel that computes its fusible inputs into its output (a concatenation
 #: writes each input's slice).
 _FUSING_READERS = frozenset({_aten.cat.default})
@@ -80,25 +82,17 @@ def folded_into_addmm(walk: Walk, fusible: Callable[[fx.Node], bool]) -> dict[Ke
     with the product second matches first). Returns each folded product's storage -> the
     add."""
     out: dict[Key, fx.Node] = {}
-    for n in walk.nodes:
-        if n.target is not _aten.mm.default or len(n.users) != 1 or \
-                n.name in walk.given_names or not graph_meta.has_val(n):
-            continue
-        (add,) = n.users
-        if add.target is not _aten.add.Tensor or add.kwargs or len(add.args) != 2 or \
-                add not in walk.keys:
-            continue
-        other = add.args[1] if add.args[0] is n else add.args[0]
-        if other is n or not isinstance(other, fx.Node) or not graph_meta.has_val(other):
+    apart = kept_apart(walk)  # (the partitioner keeps those apart: products_apart)
+    for n, add, other in foldable(walk):
+        if add not in walk.keys:
             continue
         val, inp = graph_meta.val(n), graph_meta.val(other)
-        if not isinstance(inp, torch.Tensor) or inp.dtype != val.dtype or \
-                not _expandable(tuple(inp.shape), tuple(val.shape)):
+        if inp.dtype != val.dtype or not _expandable(tuple(inp.shape), tuple(val.shape)):
             continue
         if val.device.type != "cpu" and all(fusible(u) for u in add.users):
             continue
-        if add.args[0] is n and other.target is _aten.mm.default and len(other.users) == 1:
-            continue  # Inductor's pattern with the product second matches first
+        if n in apart:
+            continue
         for k in walk.keys.get(n, ()):
             if k is not None and k[0] == n.name:
                 out[k] = add

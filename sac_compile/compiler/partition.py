@@ -42,6 +42,7 @@ from .extract import Split, extract, split_upstream
 from .normalize import normalize_tags
 from .storage import HookTraces, apply_storage, plan_storage, save_bases_of_views
 from .options import OffloadOptions, PartitionerConfig
+from .products_apart import keep_products_apart
 from .who_splits import register_partitioner
 
 __all__ = ["SACPartitioner", "ops_key"]
@@ -174,19 +175,20 @@ class SACPartitioner(CustomPartitionerFn):
         clock.lap("dce")
         counts = normalize_tags(gm)
         clock.lap("normalize")
+        fusing = kwargs.get("compiler") == "inductor"
         if self.delegate_untagged and not _has_decisions(gm):
             split = split_upstream(gm, joint_inputs, kwargs)
             clock.lap("upstream")
+            apart = _keep_products_apart(split, fusing)
             static = static_inputs(gm.graph, static_idx)  # its CSE replaced gm.graph's nodes
             return self._emit(describe_partition(gm, split, static, solver="upstream",
-                                                 timings=clock.timings), split)
+                                                 timings=clock.timings, apart=apart), split)
         static = static_inputs(gm.graph, static_idx)
         traces = HookTraces()
         net, stand_ins = flow_network(gm, num_fwd_outputs, static, self.cost_model, traces)
         clock.lap("network")
         cut = choose_cut(gm, net, stand_ins, self.memory_budget, self.solver,
-                         fusing=kwargs.get("compiler") == "inductor",
-                         peak_margin=self.peak_margin)
+                         fusing=fusing, peak_margin=self.peak_margin)
         clock.lap("solve")
         split = extract(gm, save_bases_of_views(gm, cut.saved), static, num_fwd_outputs,
                         clock.lap)
@@ -194,9 +196,10 @@ class SACPartitioner(CustomPartitionerFn):
         flags = apply_storage(split, plan, num_fwd_outputs, static, self.offload_options)
         if plan is not None:
             clock.lap("storage")
+        apart = _keep_products_apart(split, fusing)
         report = describe_partition(gm, split, static, solver=self.solver,
                                     timings=clock.timings, cut=cut, plan=plan,
-                                    offload_flags=flags, counts=counts)
+                                    offload_flags=flags, counts=counts, apart=apart)
         if cut.peak_fit is not None and self.memory_budget is not None:
             # (not apply_regions' PeakBudget over a graph of a whole model: measured steps)
             self._peak_over_graphs(gm, report)
@@ -266,6 +269,12 @@ class _Laps:
         now = time.perf_counter()
         self.timings[name] = self.timings.get(name, 0.0) + now - self._t
         self._t = now
+
+
+def _keep_products_apart(split: Split, fusing: bool) -> int:
+    """Under Inductor, the adds its ``addmm`` fold would make hold more, kept apart from
+    their products (:mod:`.products_apart`); how many."""
+    return sum(keep_products_apart(g) for g in (split.fw, split.bw)) if fusing else 0
 
 
 def _prune(gm: fx.GraphModule, cse: bool) -> None:
