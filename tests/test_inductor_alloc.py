@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from fixtures.op_graph import OpGraph
 from sac_compile.compiler import inductor_alloc as ia
 from sac_compile.compiler.peak import cut_peaks
 from sac_compile.compiler.storage_walk import Walk
@@ -16,23 +17,6 @@ from sac_compile.cut.network import classify
 
 aten, prims = torch.ops.aten, torch.ops.prims
 KIB = 1024
-
-
-class _G:
-    """A graph built op by op, each node with a value of the given shape (float32)."""
-
-    def __init__(self) -> None:
-        self.g = fx.Graph()
-
-    def input(self, name: str, *shape: int, dtype=torch.float32) -> fx.Node:
-        n = self.g.placeholder(name)
-        n.meta["val"] = torch.empty(shape, dtype=dtype)
-        return n
-
-    def op(self, target, args, *shape: int, dtype=torch.float32) -> fx.Node:
-        n = self.g.call_function(target, args)
-        n.meta["val"] = torch.empty(shape, dtype=dtype)
-        return n
 
 
 def _everything(walk: Walk):
@@ -50,7 +34,7 @@ def _joint(read: str = "h", dtype=torch.float32) -> tuple[fx.GraphModule, list[f
     """h = x @ w (256 KiB, kept) then relu; backward: d = tangent * h (``read="h"``), or
     tangent * h.T (``"transposed"``), or tangent * 2 (``"tangent"``); then w's gradient
     x.T @ d. Returns the joint graph and the cut's kept values (x, w, h)."""
-    b = _G()
+    b = OpGraph()
     x, w = b.input("primals_1", 256, 64), b.input("primals_2", 64, 256)
     tangent = b.input("tangents_1", 256, 256, dtype=dtype)
     h = b.op(aten.mm.default, (x, w), 256, 256)
@@ -97,7 +81,7 @@ def test_nothing_is_written_into_a_storage_of_another_dtype():
 def _chain(big: int) -> Walk:
     """a = x @ w1 (64 KiB); b = a @ w2 (``big`` KiB); c = b @ w3 (64 KiB); d = c @ w1: a
     dies at b, and c is of a's kind."""
-    b = _G()
+    b = OpGraph()
     x = b.input("x", 128, 128)
     w1, w2, w3 = b.input("w1", 128, 128), b.input("w2", 128, big * 2), \
         b.input("w3", big * 2, 128)
@@ -127,7 +111,7 @@ def test_a_storage_is_not_held_across_a_gap_that_would_raise_the_peak():
     """d's kind is a's, freed two nodes before: holding it across b's allocation (the
     peak) would raise the peak, so d is allocated anew; with a higher estimate of the peak
     to weigh against (Inductor's own), it is held and the peak includes it."""
-    b = _G()
+    b = OpGraph()
     x, w = b.input("x", 128, 128), b.input("w", 128, 128)
     wide = b.input("wide", 128, 2048)
     a = b.op(aten.mm.default, (x, w), 128, 128)           # 64 KiB
@@ -154,7 +138,7 @@ def test_a_storage_is_not_held_across_a_gap_that_would_raise_the_peak():
 def test_a_product_read_only_by_an_add_is_made_where_the_add_runs():
     """add(mm(a, b), c) on the CPU is one addmm: the product's storage is never allocated
     and a, b are read at the add. Of two products added, the second is folded."""
-    g = _G()
+    g = OpGraph()
     a, bb, c = g.input("a", 128, 64), g.input("b", 64, 128), g.input("c", 128, 128)
     p = g.op(aten.mm.default, (a, bb), 128, 128)
     q = g.op(aten.mm.default, (a, bb), 128, 128)
@@ -170,8 +154,43 @@ def test_a_product_read_only_by_an_add_is_made_where_the_add_runs():
     assert walk.last[(a.name, 0)] == walk.nodes.index(s2)  # (its last reader, the addmm)
 
 
+def _far_add(early: bool) -> tuple[Walk, fx.Node]:
+    """g = x * 2 (256 KiB, made in the walk) dies at p = g^T @ h (32 KiB); p's add runs
+    eight ops later. ``early``: another 256 KiB value alive while p runs (the walk's peak
+    there, as a backward's start with every activation kept)."""
+    g = OpGraph()
+    x, h, other = g.input("x", 256, 256), g.input("h", 256, 32), g.input("o", 256, 32)
+    grad = g.op(aten.mul.Tensor, (x, 2.0), 256, 256)
+    big = g.op(aten.mul.Tensor, (x, 3.0), 256, 256) if early else None
+    product = g.op(aten.mm.default, (g.op(aten.t.default, (grad,), 256, 256), h), 256, 32)
+    outs = [g.op(aten.mm.default, (big, h), 256, 32)] if early else []
+    y = h
+    for _ in range(8):
+        y = g.op(aten.sin.default, (y,), 256, 32)
+    g.g.output((g.op(aten.add.Tensor, (other, product), 256, 32), y, *outs))
+    nodes = list(g.g.nodes)
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
+                given=[n for n in nodes if n.op == "placeholder"])
+    return walk, product
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_product_is_kept_apart_where_its_fold_holds_the_peak(early):
+    """Folded, g lives to the add: the walk's peak between. Kept apart, p runs after g's
+    last other reader and g dies there (the model does not fold it); but not where p's
+    own run, beside g, would be the new peak (``early``)."""
+    walk, product = _far_add(early)
+    everything = _everything(walk)
+    ia.not_allocated(Walk([]), walk, lambda n: n, everything, everything)
+    if early:
+        assert walk.apart == {}
+    else:
+        assert list(walk.apart) == [product]
+        grad = product.args[0].args[0]
+        assert walk.last[(grad.name, 0)] == walk.nodes.index(product)
+
 def test_random_numbers_are_drawn_inside_the_kernel_that_reads_them():
-    g = _G()
+    g = OpGraph()
     seed = g.input("seed", dtype=torch.int64)
     x = g.input("x", 256, 256)
     r = g.op(prims.inductor_random.default, ([256, 256], seed, "rand"), 256, 256)
@@ -191,7 +210,7 @@ def test_a_value_read_twice_is_allocated_when_it_reads_more_than_four_storages(i
     """Inductor's lowering realizes a pointwise value with two readers whose inlined
     expression reads more than 4 storages (``realize_reads_threshold``); fewer, and it is
     computed in both readers' kernels."""
-    g = _G()
+    g = OpGraph()
     xs = [g.input(f"x{i}", 64, 64) for i in range(inputs)]
     s = xs[0]
     for x in xs[1:]:
@@ -216,7 +235,7 @@ def test_kernels_reading_the_same_storage_run_together_where_the_first_ran():
     fused, the second runs with the first, so the product it reads (b2, 64 KiB) is made
     before it - and alive across what ran between them."""
     from sac_compile.compiler.inductor_order import inductor_order
-    g = _G()
+    g = OpGraph()
     mask, x, w = g.input("mask", 128, 128), g.input("x", 128, 128), g.input("w", 128, 128)
     b1 = g.op(aten.mm.default, (x, w), 128, 128)
     k1 = g.op(aten.mul.Tensor, (b1, mask), 128, 128)

@@ -39,14 +39,14 @@ modelled.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .. import graph_meta
-from .products_apart import foldable, kept_apart
+from .products_apart import candidates, foldable, moved
 from .storage_walk import Key, Walk, alias_source, read_only_by_fusible, storage_base
 
 __all__ = ["not_allocated", "fused_away", "written_in_place", "folded_into_addmm", "reused"]
@@ -73,16 +73,17 @@ def inductor_fusible(fusible: Callable[[fx.Node], bool]) -> tuple[
     return made, read
 
 
-def folded_into_addmm(walk: Walk, fusible: Callable[[fx.Node], bool]) -> dict[Key, fx.Node]:
+def folded_into_addmm(walk: Walk, fusible: Callable[[fx.Node], bool],
+                      apart: Container[fx.Node] = ()) -> dict[Key, fx.Node]:
     """Inductor's ``addmm`` pattern: a matrix product read only by an ``add`` with a tensor
     of its dtype that broadcasts to it is computed by that add (one ``addmm``, where the
     add runs); its storage is never allocated and its inputs live until then. On the
     accelerators Inductor keeps the two apart when the add's readers are all pointwise
     (here: ``fusible``). Of two products added, the second is folded (Inductor's pattern
-    with the product second matches first). Returns each folded product's storage -> the
+    with the product second matches first); not the products in ``apart`` (the partitioner
+    keeps them apart, :mod:`.products_apart`). Returns each folded product's storage -> the
     add."""
     out: dict[Key, fx.Node] = {}
-    apart = kept_apart(walk)  # (the partitioner keeps those apart: products_apart)
     for n, add, other in foldable(walk):
         if add not in walk.keys:
             continue
@@ -330,7 +331,6 @@ def not_allocated(fw_walk: Walk, bw_walk: Walk, joint_of: Callable[[fx.Node], fx
     a kept value (torch donates the saved activations), not into a tangent, a parameter,
     or what the forward also returns to the user."""
     from ..torch_internals import get_default_op_list
-    from .inductor_order import inductor_order
     made, read = inductor_fusible(get_default_op_list().is_fusible)
 
     def donated(k: Key) -> bool:
@@ -342,20 +342,60 @@ def not_allocated(fw_walk: Walk, bw_walk: Walk, joint_of: Callable[[fx.Node], fx
     result = []
     for walk, counted, may_write in ((fw_walk, fw_counted, lambda k: False),
                                      (bw_walk, bw_counted, donated)):
-        folded = folded_into_addmm(walk, made)
-        away = fused_away(walk, made, read) | set(folded)
-        if REORDER and walk is bw_walk:
-            seq = inductor_order(walk, away, made)
-            if seq is not walk.nodes:
-                walk.reorder(seq)
-                folded = folded_into_addmm(walk, made)
-                away = fused_away(walk, made, read) | set(folded)
-        # Inductor weighs a reuse against its estimate of the graph's peak, made over its
-        # kernels' outputs before it writes any in place or reuses any
-        estimate = walk.sweep(lambda k: counted(k) and k not in away)[0]
-        not_in_place = set(folded.values())
-        away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
-                                 may_write)
-        away |= reused(walk, lambda k: counted(k) and k not in away, estimate)
+        reorder = REORDER and walk is bw_walk
+        seq, maybe = list(walk.nodes), candidates(walk)
+        away = _allocated_away(walk, counted, may_write, made, read, (), reorder)
+        apart = _lowering(walk, counted, away, maybe)
+        if apart:  # (the walk again, with those products apart)
+            walk.reorder(moved(seq, apart))
+            away = _allocated_away(walk, counted, may_write, made, read, apart, reorder)
+        walk.apart = apart
         result.append(away)
     return result[0], result[1]
+
+
+def _allocated_away(walk: Walk, counted: Callable[[Key], bool],
+                    may_write: Callable[[Key], bool], made: Callable[[fx.Node], bool],
+                    read: Callable[[fx.Node], bool], apart: Container[fx.Node],
+                    reorder: bool) -> set[Key]:
+    """One walk's storages Inductor does not allocate (:func:`not_allocated`); ``reorder``:
+    walked in Inductor's order (the backward)."""
+    from .inductor_order import inductor_order
+    folded = folded_into_addmm(walk, made, apart)
+    away = fused_away(walk, made, read) | set(folded)
+    if reorder:
+        seq = inductor_order(walk, away, made)
+        if seq is not walk.nodes:
+            walk.reorder(seq)
+            folded = folded_into_addmm(walk, made, apart)
+            away = fused_away(walk, made, read) | set(folded)
+    # Inductor weighs a reuse against its estimate of the graph's peak, made over its
+    # kernels' outputs before it writes any in place or reuses any
+    estimate = walk.sweep(lambda k: counted(k) and k not in away)[0]
+    not_in_place = set(folded.values())
+    away |= written_in_place(walk, away, lambda n: made(n) and n not in not_in_place,
+                             may_write)
+    away |= reused(walk, lambda k: counted(k) and k not in away, estimate)
+    return away
+
+
+def _lowering(walk: Walk, counted: Callable[[Key], bool], away: set[Key],
+              maybe: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Of the products that could be kept apart (``maybe``: product -> the node after which
+    it would run), those whose fold holds the walk's peak (between that node and the add)
+    and whose own run apart (its storage beside what is live then) stays below it."""
+    if not maybe:
+        return {}
+    peak, at, _ = walk.sweep(lambda k: counted(k) and k not in away)
+    pos = {n: i for i, n in enumerate(walk.nodes)}
+    out = {}
+    for product, after in maybe.items():
+        (add,) = product.users
+        if after not in pos or add not in pos or not pos[after] < at <= pos[add]:
+            continue
+        t = pos[after]
+        live = sum(walk.size[k] for k in walk.made_at if counted(k) and k not in away and
+                   walk.made_at[k] <= t <= walk.last.get(k, -1))
+        if live + walk.size[walk.keys[product][0]] < peak:
+            out[product] = after
+    return out

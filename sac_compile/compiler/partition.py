@@ -42,6 +42,7 @@ from .extract import Split, extract, split_upstream
 from .normalize import normalize_tags
 from .storage import HookTraces, apply_storage, plan_storage, save_bases_of_views
 from .options import OffloadOptions, PartitionerConfig
+from .peak import products_kept_apart
 from .products_apart import keep_products_apart
 from .who_splits import register_partitioner
 
@@ -179,7 +180,7 @@ class SACPartitioner(CustomPartitionerFn):
         if self.delegate_untagged and not _has_decisions(gm):
             split = split_upstream(gm, joint_inputs, kwargs)
             clock.lap("upstream")
-            apart = _keep_products_apart(split, fusing)
+            apart = _keep_products_apart(gm, split, fusing)
             static = static_inputs(gm.graph, static_idx)  # its CSE replaced gm.graph's nodes
             return self._emit(describe_partition(gm, split, static, solver="upstream",
                                                  timings=clock.timings, apart=apart), split)
@@ -196,7 +197,7 @@ class SACPartitioner(CustomPartitionerFn):
         flags = apply_storage(split, plan, num_fwd_outputs, static, self.offload_options)
         if plan is not None:
             clock.lap("storage")
-        apart = _keep_products_apart(split, fusing)
+        apart = _keep_products_apart(gm, split, fusing)
         report = describe_partition(gm, split, static, solver=self.solver,
                                     timings=clock.timings, cut=cut, plan=plan,
                                     offload_flags=flags, counts=counts, apart=apart)
@@ -271,10 +272,13 @@ class _Laps:
         self._t = now
 
 
-def _keep_products_apart(split: Split, fusing: bool) -> int:
-    """Under Inductor, the adds its ``addmm`` fold would make hold more, kept apart from
-    their products (:mod:`.products_apart`); how many."""
-    return sum(keep_products_apart(g) for g in (split.fw, split.bw)) if fusing else 0
+def _keep_products_apart(gm: fx.GraphModule, split: Split, fusing: bool) -> int:
+    """Under Inductor, the matrix products whose ``addmm`` fold would hold the step's
+    modelled peak, kept apart from their adds (:mod:`.products_apart`); how many."""
+    if not fusing:
+        return 0
+    fw_apart, bw_apart = products_kept_apart(split.fw, split.bw, gm)
+    return keep_products_apart(split.fw, fw_apart) + keep_products_apart(split.bw, bw_apart)
 
 
 def _prune(gm: fx.GraphModule, cse: bool) -> None:

@@ -43,7 +43,7 @@ from ..cut.roles import Role, node_role
 from .inductor_alloc import not_allocated
 from .storage_walk import Key, Walk, storage_base
 
-__all__ = ["estimate_peak", "cut_peak", "cut_peaks"]
+__all__ = ["estimate_peak", "cut_peak", "cut_peaks", "products_kept_apart"]
 
 def _region(node: fx.Node | None) -> str:
     path = graph_meta.region_path(node) if node is not None else None
@@ -139,6 +139,19 @@ def _fused_peak(fw: fx.GraphModule, bw: fx.GraphModule, by_name: dict[str, fx.No
                bw_walk.sweep(step_counted)[0])
     return MemoryPeak(forward, backward, "backward" if backward >= forward else "forward",
                       with_gradients=step)
+
+
+def products_kept_apart(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule
+                        ) -> tuple[dict[str, str], dict[str, str]]:
+    """The matrix products the fused model keeps apart from their adds in a split's forward
+    and backward (:func:`.inductor_alloc.not_allocated`), by name: product -> the node right
+    after which it runs (what :func:`.products_apart.keep_products_apart` applies)."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    fw_walk, bw_walk, fw_counted, _, grads_counted = _split_walks(fw, bw, by_name)
+    not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name), fw_counted, grads_counted)
+    fw_apart, bw_apart = ({p.name: a.name for p, a in w.apart.items()}
+                          for w in (fw_walk, bw_walk))
+    return fw_apart, bw_apart
 
 
 def estimate_peak(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphModule) -> MemoryPeak:

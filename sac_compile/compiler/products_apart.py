@@ -10,15 +10,19 @@ the whole backward instead of the weight-sized product. Measured on HF GPT-2 (be
 every block recomputed, compiled whole): the step's peak 31.84 MB, the logits' gradient
 alive from the head's backward to the embedding's.
 
-Kept apart (:func:`kept_apart`): where the add runs after every other reader of the
-product's operands, and the operands that then die (made in the graph: kept values and
-parameters are not counted) outweigh the product's own storage, the product runs right
-after those readers and the add is written as ``prims.add``, which Inductor lowers and
-fuses as ``aten.add`` but which its pattern (``aten.add`` of an ``aten.mm``) does not
-match. At no point does that hold more than the fold. Same values: an add of the same two
-tensors, as eager's autograd sums a gradient over two uses. Only where shapes and dtypes
-agree (``prims.add`` does not broadcast or promote). The peak model (:mod:`.inductor_alloc`)
-folds by the same rule, so it models the graph Inductor gets.
+Kept apart where it lowers the step's peak: where the add runs after every other reader
+of the product's operands and the operands that then die (made in the graph: kept values
+and parameters are not counted) outweigh the product (:func:`candidates`), the product can
+run right after those readers. From there to the add that holds less than the fold; at the
+product's own run it holds its storage beside its operands, more than the fold does there.
+So the peak model (:func:`.inductor_alloc.not_allocated`) keeps a candidate apart only where
+the fold's peak lies between the two and the product's run stays below it; the partitioner
+then moves the product and writes the add as ``prims.add``, which Inductor lowers and fuses
+as ``aten.add`` but which its pattern (``aten.add`` of an ``aten.mm``) does not match
+(:func:`keep_products_apart`). Same values: an add of the same two tensors, as eager's
+autograd sums a gradient over two uses. Only where shapes and dtypes agree (``prims.add``
+does not broadcast or promote). Without regions (every activation kept, the backward's
+peak at its start) the fold stays: there the product's early run would raise the peak.
 """
 from __future__ import annotations
 
@@ -28,19 +32,20 @@ import torch.fx as fx
 from .. import graph_meta
 from .storage_walk import Key, Walk
 
-__all__ = ["foldable", "keep_products_apart", "kept_apart"]
+__all__ = ["candidates", "foldable", "keep_products_apart", "moved"]
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
 
-def kept_apart(walk: Walk) -> dict[fx.Node, int]:
-    """The products of ``walk`` to keep apart from their adds -> the position after which
-    each then runs (in ``walk``'s order and last uses, before any fold extends them): a
-    product of :func:`foldable` whose add runs later than its operands' other readers, the
-    operands that die there (made in the walk, not returned) outweighing the product. Run
-    right after those readers and added apart, it holds at every point no more than the
-    fold: before, neither has run; from there to the add, its own storage against the
-    operands the fold would hold."""
+def candidates(walk: Walk) -> dict[fx.Node, fx.Node]:
+    """The products of ``walk`` (its order and last uses, before any fold extends them)
+    that could be kept apart from their adds -> the node right after which each would
+    run: a product of :func:`foldable` whose add runs later than its operands' other
+    readers (nodes between), the operands that die there (made in the walk, not returned)
+    outweighing the product. From that node to the add the fold holds those operands, apart
+    the product's storage: less. At the product's own run apart holds its storage beside
+    its operands, which the fold does at the add: more, if the walk is near its peak then
+    (:func:`.inductor_alloc.not_allocated` decides on the walk's peak)."""
     pairs = foldable(walk)
     if not pairs:
         return {}
@@ -68,25 +73,34 @@ def kept_apart(walk: Walk) -> dict[fx.Node, int]:
             freed += walk.size[k]
             after = max(after, last)
         between = pos[add] - after - 1 - (after < pos[product] < pos[add])
-        if freed > walk.size[mine[0]] and between > 0:  # (none: the fold holds nothing)
-            out[product] = after
+        if freed > walk.size[mine[0]] and between > 0 and after >= 0:
+            out[product] = walk.nodes[after]
     return out
 
 
-def keep_products_apart(gm: fx.GraphModule) -> int:
-    """Rewrites ``gm`` (a split's forward or backward, before Inductor compiles it): each
-    product :func:`kept_apart` names runs where it says, and its add is ``prims.add``.
-    Returns how many."""
-    nodes = list(gm.graph.nodes)
-    walk = Walk(nodes, given=[n for n in nodes if n.op == "placeholder"])
-    apart = kept_apart(walk)
+def moved(nodes: list[fx.Node], apart: dict[fx.Node, fx.Node]) -> list[fx.Node]:
+    """``nodes`` with each product of ``apart`` right after its node."""
+    seq = [n for n in nodes if n not in apart]
     for product, after in apart.items():
-        walk.nodes[after].append(product)  # (moves it: right after its operands' readers)
-        (add,) = product.users
+        seq.insert(seq.index(after) + 1, product)
+    return seq
+
+
+def keep_products_apart(gm: fx.GraphModule, apart: dict[str, str]) -> int:
+    """Rewrites ``gm`` (a split's forward or backward, before Inductor compiles it): each
+    product named in ``apart`` (product -> the node right after which it runs, as
+    :func:`.inductor_alloc.not_allocated` decided on the split's walks) runs there, and its
+    add is ``prims.add``. Returns how many."""
+    if not apart:
+        return 0
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for product, after in apart.items():
+        node = by_name[product]
+        by_name[after].append(node)  # (moves it)
+        (add,) = node.users
         add.target = _prims.add.default
-    if apart:
-        gm.graph.lint()
-        gm.recompile()
+    gm.graph.lint()
+    gm.recompile()
     return len(apart)
 
 

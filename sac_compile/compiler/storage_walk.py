@@ -79,6 +79,9 @@ class Walk:
                  outputs: Iterable[fx.Node] = (), vals: dict[str, Any] | None = None) -> None:
         self._given, self._outputs = list(given), list(outputs)
         self.nodes = list(seq)
+        # products kept apart from their adds (inductor_alloc.not_allocated): product -> the
+        # node right after which it runs
+        self.apart: dict[fx.Node, fx.Node] = {}
         self.vals = vals or {}  # values of nodes that carry none, by name
         self.made_by_producer: dict[fx.Node, list[Key | None]] = {}
         given = set(given)
