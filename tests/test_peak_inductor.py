@@ -6,10 +6,11 @@ memory traffic. The same block's kernels of the two traversals read the same par
 and one traversal's partial parameter gradients are summed with the other's: fused, the
 kernel runs where the later one ran, so the earlier traversal's recomputed values stay
 alive across the other traversal's whole backward (110-130 nodes apart, of 243). Our
-backend refuses, in the graphs it compiles, a fusion of kernels more than 64 nodes apart
-that would keep more bytes alive than it spares (``compiler/near_fusion.py``); torch's
-partitioner with Inductor keeps fusing them. Figures on torch 2.13: ours 5,583,872 B before
-the veto, 2,441,728 B with it; torch's partitioner 5,529,856 B; torch with a graph break
+backend refuses, in the graphs it compiles, a fusion of kernels with anything between
+them that would keep more bytes alive than it spares (``compiler/near_fusion.py``; first
+at more than 64 nodes apart, torch's distance); torch's partitioner with Inductor keeps
+fusing them. Figures on torch 2.13: ours 5,583,872 B before the veto, 2,441,728 B with it
+at 64 nodes; torch's partitioner 5,529,856 B; torch with a graph break
 between traversals 1,846,016 B. The rest above torch with a break is the in-graph sum of the
 two traversals' parameter gradients (797,184 B, every parameter's gradient): with a break
 autograd accumulates them into ``.grad``, which these figures leave out; counted, a break
