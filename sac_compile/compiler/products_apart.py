@@ -105,9 +105,9 @@ def keep_products_apart(gm: fx.GraphModule, apart: dict[str, str]) -> int:
 
 
 def foldable(walk: Walk) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """(product, add, the add's other operand) of of ``walk`` that Inductor's pattern matches: an ``mm`` read
-    only by an ``aten.add.Tensor`` of two tensors, no alpha; of two products added, the
-    second (Inductor's pattern with the product second matches first)."""
+    """(product, add, the add's other operand) in ``walk`` that Inductor's pattern matches:
+    an ``mm`` read only by an ``aten.add.Tensor`` of two tensors, no alpha; of two products
+    added, the second (Inductor's pattern with the product second matches first)."""
     out = []
     for n in walk.nodes:
         if n.target is not _aten.mm.default or len(n.users) != 1 or \
