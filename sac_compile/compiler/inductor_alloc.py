@@ -33,11 +33,11 @@ Under our backend's fusion veto (:mod:`.near_fusion`: no fusion of kernels with 
 between them that keeps more bytes alive) the walk is in the graph's order: Llama's and
 GPT-2's step within 1% (every block recomputed), to the byte with ``save_matmuls``. A torch
 without the veto's hooks fuses horizontally as :mod:`.inductor_order` models. Before the
-veto tightened: walked in Inductor's order (its scheduler's, read from the generated code), these rules
-give the allocator's step peak: Llama to the byte, GPT-2 -0.7%. In the graph's order what
-is left is Inductor's order - it fuses kernels that read the same storage, so a layer's
-recomputed attention scores are made during the next layer's backward, and what a fused
-kernel reads waits for it; and it reorders for its own estimate of the peak - not
+veto tightened, walked in Inductor's order (its scheduler's, read from the generated code),
+these rules gave the allocator's step peak: Llama to the byte, GPT-2 -0.7%; in the graph's
+order what was left was Inductor's order - it fused kernels that read the same storage, so
+a layer's recomputed attention scores were made during the next layer's backward, and what
+a fused kernel read waited for it. Its reordering for its own estimate of the peak is not
 modelled.
 """
 from __future__ import annotations

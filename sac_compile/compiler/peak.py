@@ -41,6 +41,7 @@ from ..report import MemoryPeak
 from ..cut import costs
 from ..cut.roles import Role, node_role
 from .inductor_alloc import not_allocated
+from .products_apart import foldable
 from .storage_walk import Key, Walk, storage_base
 
 __all__ = ["estimate_peak", "cut_peak", "cut_peaks", "products_kept_apart"]
@@ -148,6 +149,8 @@ def products_kept_apart(fw: fx.GraphModule, bw: fx.GraphModule, joint: fx.GraphM
     after which it runs (what :func:`.products_apart.keep_products_apart` applies)."""
     by_name = {n.name: n for n in joint.graph.nodes}
     fw_walk, bw_walk, fw_counted, _, grads_counted = _split_walks(fw, bw, by_name)
+    if not foldable(fw_walk) and not foldable(bw_walk):
+        return {}, {}  # (no product Inductor would fold: the allocation rules need not run)
     not_allocated(fw_walk, bw_walk, lambda n: by_name.get(n.name), fw_counted, grads_counted)
     fw_apart, bw_apart = ({p.name: a.name for p, a in w.apart.items()}
                           for w in (fw_walk, bw_walk))
