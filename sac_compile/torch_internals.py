@@ -195,6 +195,9 @@ _LAZY: dict[str, _Entry] = {
     "CustomSchedulerPass": _Entry("torch._inductor.custom_graph_pass", "CustomSchedulerPass",
                                   "2.13"),
     "inductor_virtualized": _Entry("torch._inductor.virtualized", None),
+    # The ops Inductor runs as fallback kernels (compiler/inductor_alloc.py: their outputs
+    # read from a CPU graph input are unaligned, and Inductor never reuses those storages).
+    "inductor_fallbacks": _Entry("torch._inductor.lowering", "fallbacks"),
     # Tracing SaveWithHooks into the graphs: make_fx with Inductor's decompositions, and
     # the fake tensor's metadata for the traced values.
     "fwd_only": _Entry("torch._inductor.pattern_matcher", "fwd_only"),

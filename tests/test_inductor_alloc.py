@@ -133,6 +133,36 @@ def test_a_storage_is_not_held_across_a_gap_that_would_raise_the_peak():
         plain + 64 * KIB
 
 
+@pytest.mark.parametrize("reads", ["an input", "a value it made"])
+def test_a_fallback_kernels_outputs_read_from_a_cpu_input_are_never_taken(reads):
+    """Attention's backward is a fallback kernel: on the CPU every graph input is unaligned
+    (Inductor's ``should_assume_input_aligned``), and so is what a fallback makes from one;
+    Inductor pools a freed storage by alignment and allocates aligned ones only. Its
+    output freed, the next allocation of its size takes it only where the kernel read a
+    storage the graph made (HF GPT-2's backward reads its saved q, k, v: none taken)."""
+    b = OpGraph()
+    kept = b.input("addmm_12", 1, 1, 128, 32)
+    w = b.input("w", 32, 32)
+    q = b.op(aten.mul.Tensor, (kept, 2.0), 1, 1, 128, 32) if reads == "a value it made" \
+        else kept
+    grads = b.g.call_function(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                              (q, q, q, q, q, q))
+    grads.meta["val"] = [torch.empty(1, 1, 128, 32) for _ in range(3)]
+    gq = b.g.call_function(__import__("operator").getitem, (grads, 0))
+    gq.meta["val"] = grads.meta["val"][0]
+    flat = b.op(aten.view.default, (gq, [128, 32]), 128, 32)
+    after = b.op(aten.mm.default, (flat, w), 128, 32)      # gq dies: its kind
+    again = b.op(aten.mm.default, (after, w), 128, 32)     # the next of that kind
+    b.g.output((again,))
+    nodes = list(b.g.nodes)
+    walk = Walk([n for n in nodes if n.op != "placeholder"],
+                given=[n for n in nodes if n.op == "placeholder"])
+    assert ia.unaligned(walk) == ({(grads.name, i) for i in range(3)}
+                                  if reads == "an input" else set())
+    taken = ia.reused(walk, _everything(walk))
+    assert ((again.name, 0) in taken) == (reads == "a value it made")
+
+
 # -- addmm, random numbers, realized values --------------------------------------------------
 
 def test_a_product_read_only_by_an_add_is_made_where_the_add_runs():

@@ -71,13 +71,14 @@ def flow_network(gm: fx.GraphModule, num_fwd_outputs: int, static: set[fx.Node],
 
 def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx.Node],
                memory_budget: float | int | PeakBudget | None, solver: str, *,
-               fusing: bool = False, peak_margin: int = 0) -> Cut:
+               fusing: bool = False, peak_margin: int = 0, least_kept: int = 0) -> Cut:
     """The cut of ``net``: without a budget, under ``memory_budget`` (a
     :class:`~sac_compile.budgets.PeakBudget`: the cheapest kept-byte budget whose cut's
     modelled peak fits, :mod:`.peak_budget`), or under the regions' budgets (torch's global
     ``activation_memory_budget`` is honoured as the regions' when the partitioner has none:
     torch ignores it once a region is in the graph). ``fusing``: the graphs go to Inductor
-    (:mod:`.fused_saves`)."""
+    (:mod:`.fused_saves`); ``least_kept``: under a PeakBudget, k > 0: the k-th cheapest cut keeping
+    the least (:func:`.peak_budget.solve_peak_budget`)."""
     torch_budget = torch_global_budget()
     regions = region_budget_annotations(net.cls.nodes,
                                         torch_budget if memory_budget is None else None)
@@ -110,7 +111,8 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
 
         try:
             (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
-                                                         fused=fusing, margin=peak_margin)
+                                                         fused=fusing, margin=peak_margin,
+                                                         least_kept=least_kept)
             if whole is not None:
                 whole.graph_least = False
         except BudgetUnreachableError as e:
@@ -121,7 +123,8 @@ def choose_cut(gm: fx.GraphModule, net: FlowNetwork, stand_ins: dict[fx.Node, fx
             # measures above it too, without compiling it again)
             memory_budget = e.proposed_budget
             (res, facts), floor, fit = solve_peak_budget(gm, net, memory_budget, under,
-                                                         fused=fusing, margin=peak_margin)
+                                                         fused=fusing, margin=peak_margin,
+                                                         least_kept=least_kept)
             whole.graph_least = True
         return Cut(res.saved, [v for v in res.offloaded if not _marked_offload(v)],
                    HostWhy.BUDGET, stand_ins, memory_budget, ignored, res, facts, floor,

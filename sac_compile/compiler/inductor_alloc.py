@@ -27,7 +27,9 @@ measured peak to the byte) with the walk; :func:`not_allocated` applies them in 
 * **Reused** (the wrapper's memory planning, ``config.allow_buffer_reuse``): a freed
   storage waits for the next allocation of its device, dtype and size, which takes it
   (no new allocation) unless holding it across the gap would raise Inductor's estimate of
-  the peak; held, it counts from its last use until then.
+  the peak; held, it counts from its last use until then. Never taken: what a
+  fallback kernel (attention's backward) makes from an unaligned storage, as every graph
+  input on the CPU is: the pool is kept by alignment too, and allocations are aligned.
 
 Under our backend's fusion veto (:mod:`.near_fusion`: no fusion of kernels with anything
 between them that keeps more bytes alive) the walk is in the graph's order: Llama's and
@@ -272,6 +274,23 @@ def written_in_place(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bo
     return out
 
 
+def unaligned(walk: Walk) -> set[Key]:
+    """The storages of ``walk`` Inductor marks unaligned: the outputs of an op it runs as a
+    fallback kernel that reads an unaligned storage, which on the CPU every graph input is
+    (its ``should_assume_input_aligned``). Its wrapper pools a freed storage by alignment
+    too, and allocates only aligned ones: an unaligned storage is never taken."""
+    from ..torch_internals import inductor_fallbacks
+    out: set[Key] = set()
+    for n in walk.nodes:
+        if n.op != "call_function" or n.target not in inductor_fallbacks:
+            continue
+        read = [k for a in n.all_input_nodes for k in walk.keys.get(a, ()) if k is not None]
+        if any(k in out or (walk.maker[k].name in walk.given_names and
+                            walk.device[k] == "cpu") for k in read):
+            out.update(k for k in walk.keys.get(n, ()) if k is not None and k[0] == n.name)
+    return out
+
+
 def reused(walk: Walk, counted: Callable[[Key], bool], peak: int | None = None) -> set[Key]:
     """The storages of ``walk`` Inductor's generated code does not allocate but takes from
     a storage freed earlier (its wrapper's memory planning, ``config.allow_buffer_reuse``):
@@ -298,6 +317,7 @@ def reused(walk: Walk, counted: Callable[[Key], bool], peak: int | None = None) 
             freed[last].append(k)
     live = list(itertools.accumulate(change[:n + 1]))
     peak = max(live, default=0) if peak is None else peak
+    never = unaligned(walk)
     pool: dict[tuple[str, Any, int], list[tuple[Key, int]]] = {}
     into: dict[Key, Key] = {}
     for pos in range(n):
@@ -317,7 +337,7 @@ def reused(walk: Walk, counted: Callable[[Key], bool], peak: int | None = None) 
             while r in into:
                 r = into[r]
             walk.last[r] = max(walk.last[r], walk.last.get(k, pos))
-        for k in freed[pos]:
+        for k in (k for k in freed[pos] if k not in never):
             pool.setdefault((walk.device[k], walk.dtype.get(k), walk.size[k]), []).append(
                 (k, pos))
     return set(into)

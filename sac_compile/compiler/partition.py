@@ -125,6 +125,10 @@ class SACPartitioner(CustomPartitionerFn):
         # Under a PeakBudget: bytes the cap is lowered by while a split is made again
         # because its measured step was above it (:mod:`.measured_fit`); part of uuid().
         self.peak_margin = 0
+        # Under a PeakBudget, k > 0: split at the k-th cheapest cut keeping the least,
+        # whatever its modelled peak (the measured trial's last tries, :mod:`.measured_fit`);
+        # part of uuid().
+        self.least_kept = 0
         # Under a PeakBudget: which Dynamo graph is being split (the backend's key for
         # _peak_over_graphs, so a graph AOTAutograd's cache serves counts as the same one).
         self.graph_key: str | None = None
@@ -132,7 +136,7 @@ class SACPartitioner(CustomPartitionerFn):
     # -- CustomPartitionerFn -----------------------------------------------------------
     def uuid(self) -> str:
         options = repr((self.solver, self.config, type(self.memory_budget).__name__,
-                        self.peak_margin))
+                        self.peak_margin) + ((self.least_kept,) if self.least_kept else ()))
         return hashlib.sha256((_code_hash() + options).encode()).hexdigest()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -189,7 +193,8 @@ class SACPartitioner(CustomPartitionerFn):
         net, stand_ins = flow_network(gm, num_fwd_outputs, static, self.cost_model, traces)
         clock.lap("network")
         cut = choose_cut(gm, net, stand_ins, self.memory_budget, self.solver,
-                         fusing=fusing, peak_margin=self.peak_margin)
+                         fusing=fusing, peak_margin=self.peak_margin,
+                         least_kept=self.least_kept)
         clock.lap("solve")
         split = extract(gm, save_bases_of_views(gm, cut.saved), static, num_fwd_outputs,
                         clock.lap)

@@ -120,13 +120,18 @@ def step_peak(gm: fx.GraphModule, net: FlowNetwork, kept: set[fx.Node], *,
 
 def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                       under: Callable[[FlowNetwork, float | int, bool], Solved], *,
-                      fused: bool = False, margin: int = 0) -> tuple[Solved, Floor, PeakFit]:
+                      fused: bool = False, margin: int = 0, least_kept: int = 0
+                      ) -> tuple[Solved, Floor, PeakFit]:
     """The cut for ``budget`` (see the module docstring): ``under(net, kept_cap, exact)``
     solves ``net`` under a kept-byte budget (``1.0``: none; ``exact``: with the budget
     solver's exact program); ``fused``: the graphs go to Inductor (the peak as it
     allocates); ``margin``: bytes the cap is lowered by (what a measured step was above
-    it, :mod:`.measured_fit`). Returns the chosen solve, what the region-boundary floor did for it, and
-    how the budget was met."""
+    it, :mod:`.measured_fit`); ``least_kept``: k > 0, the k-th cheapest of the cuts that
+    keep the least (at the least kept-byte budget reachable with the region-boundary floor
+    and without it), whatever its modelled peak: what the measured trial tries last, where
+    the model's least measured above the cap (none left: BudgetUnreachableError). Returns
+    the chosen solve, what the region-boundary floor did for it, and how the budget was
+    met."""
     tried: list[_Candidate] = []
     exact_each = len(net.cls.nodes) <= EXACT_EACH_MAX_NODES
     limit: list[int] = []  # the cap, once known
@@ -162,7 +167,13 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
     cap = budget.cap(base.peak) - margin
     limit.append(cap)
     fits = [base] if base.peak <= cap else []
-    if not fits:
+    if least_kept:
+        least = sorted((c for c in (candidate(k) for k in _least_kept(net, under))
+                        if c is not None), key=lambda c: (c.cost, c.peak))
+        if least_kept > len(least):
+            raise _unreachable(budget, cap, tried, base)
+        fits = [least[least_kept - 1]]
+    elif not fits:
         most = base.kept_bytes
         caps: set[int] = set()
         for least in _least_kept(net, under):  # without the floor, and with it
@@ -185,12 +196,12 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                 raise _unreachable(budget, cap, tried, base)
             fits = [lowered]
     best = min(fits, key=lambda c: (c.cost, c.peak, c.kept_bytes))
-    if best is not base and not exact_each:
+    if best is not base and not exact_each and not least_kept:
         exact = candidate(best.kept_cap, exact=True)
         if exact is not None and exact.peak <= cap and exact.cost < best.cost:
             fits.append(exact)
             best = exact
-    if best is not base:
+    if best is not base and not least_kept:
         if not fused:  # (fused: the model is Inductor's within a few %, no aim to the byte)
             best = _to_the_cap(candidate, tried, best, cap)
         best = _put_back(gm, net, best, cap, fused)
