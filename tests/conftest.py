@@ -6,7 +6,8 @@
   compiled model) opts out with ``pytestmark = pytest.mark.keep_dynamo`` (a test with
   ``@pytest.mark.keep_dynamo``); a test that compiles twice on purpose still resets in
   between itself. The fixture also fails a test that leaves compiled autograd enabled,
-  and turns it off, so the next test runs with the plain engine.
+  and turns it off, so the next test runs with the plain engine; likewise a test that
+  leaves a profiler running (the next test's measured peaks would be nested in it).
 * ``capture``: a fresh :class:`fixtures.capture.Captured`; ``capture.backend(...)`` is
   ``make_backend(compiler="aot_eager", on_partition=...)`` and ``capture.reports`` every
   PartitionReport it produced (``capture.report``, the last; ``capture.fw``/``bw``, the
@@ -43,12 +44,28 @@ def _turn_compiled_autograd_off() -> None:
     torch._dynamo.config.compiled_autograd = False
 
 
+def _profiler_left_on() -> bool:
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def _stop_profilers() -> None:
+    while torch._C._autograd._profiler_enabled():
+        try:
+            torch.autograd.profiler._disable_profiler()
+        except Exception:  # noqa: BLE001 - nothing more to stop
+            return
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo(request: pytest.FixtureRequest):
     keep = request.node.get_closest_marker("keep_dynamo") is not None
     if not keep and "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
     yield
+    if _profiler_left_on():
+        _stop_profilers()
+        pytest.fail("the test left a torch.profiler running (now stopped): the next "
+                    "test's measured peaks would be nested in it")
     left_on = _compiled_autograd_left_on()
     if left_on:
         _turn_compiled_autograd_off()

@@ -116,10 +116,11 @@ def _made_early(scheduler: Any, first: Any, second: Any) -> float:
     exist from there on (a size this cannot read counts nothing: this term only adds
     vetoes)."""
     made = set(second.get_buffer_names())
+    bufs = getattr(scheduler, "name_to_buf", {})
+    fused = getattr(scheduler, "name_to_fused_node", {})  # (a torch without: outputs only)
     for dep in second.read_writes.reads:
-        buf = scheduler.name_to_buf.get(dep.name)
-        op = getattr(buf, "defining_op", None)
-        node = scheduler.name_to_fused_node.get(op.get_name()) if op is not None else None
+        op = getattr(bufs.get(dep.name), "defining_op", None)
+        node = fused.get(op.get_name()) if op is not None else None
         if node is not None and node is not second and node.min_order > first.max_order:
             made.add(dep.name)
     return _nbytes(made, unreadable=0.0)
@@ -130,9 +131,9 @@ def _read_only_by(scheduler: Any, names: set[str], first: Any, second: Any) -> s
     spares those only: another reader still needs the buffer)."""
     ours = set(first.get_operation_names()) | set(second.get_operation_names())
     out = set()
+    bufs = getattr(scheduler, "name_to_buf", {})
     for name in names:
-        buf = scheduler.name_to_buf.get(name)
-        users = getattr(buf, "users", None)
+        users = getattr(bufs.get(name), "users", None)
         if users is not None and all(set(getattr(u.node, "get_operation_names", lambda: ())())
                                      and set(u.node.get_operation_names()) <= ours
                                      for u in users):
