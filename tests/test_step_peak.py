@@ -541,7 +541,9 @@ def test_a_graph_at_its_least_measured_above_the_budget_raises_without_compiling
     with pytest.raises(BudgetUnreachableError) as e:
         for _ in range(3 * step_peak.MAX_STEPS):
             step(fn)
-    assert len(reports) == 2, _controller(model).notes
+    # (intermittent in the full suite: the first compile raised, no report; the figures
+    # say which side moved next time)
+    assert len(reports) == 2, (n, str(e.value)[:400], _controller(model).notes)
     assert len(_controller(model).notes) == 4  # (2 compiling steps, 2 measured)
     assert e.value.proposed_budget.value > n
     assert "down to the least its model finds" in str(e.value)
