@@ -45,11 +45,12 @@ def _turn_compiled_autograd_off() -> None:
 
 
 def _profiler_left_on() -> bool:
-    return bool(torch._C._autograd._profiler_enabled())
+    from sac_compile.torch_internals import profiler_enabled
+    return bool(profiler_enabled())
 
 
 def _stop_profilers() -> None:
-    while torch._C._autograd._profiler_enabled():
+    while _profiler_left_on():
         try:
             torch.autograd.profiler._disable_profiler()
         except Exception:  # noqa: BLE001 - nothing more to stop

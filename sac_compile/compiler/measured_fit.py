@@ -50,6 +50,7 @@ partition gives); a served split the trial cannot measure is a warning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -106,6 +107,61 @@ def _fit(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
         partitioner.on_partition = emit
 
 
+@dataclasses.dataclass(frozen=True)
+class _Try:
+    """One split, compiled and measured (:func:`_split_and_measure`)."""
+
+    compiled: Any
+    report: Any
+    cap: int | None       # the user's cap in bytes (None: nothing to measure against)
+    peak: int | None      # the trial's measured step peak (None: not measured, why_not)
+    why_not: str
+
+
+def _split_and_measure(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
+                       partitioner: SACPartitioner, budget: PeakBudget, margin: int,
+                       least_kept: int = 0) -> _Try:
+    """``compile_once()`` split under the cap lowered by ``margin`` (or at the
+    ``least_kept``-th cut keeping the least), then its step measured against the user's cap.
+    ``cap`` None: nothing to measure against (not partitioned, an inference graph, or split
+    by torch's partitioner: no regions). BudgetUnreachableError: the model finds no split."""
+    partitioner.peak_margin, partitioner.least_kept = margin, least_kept
+    partitioner.last_report, hits = None, _aot_cache_hits()
+    with _backward_compiled_now(), aot_mutated_inputs(len(example_inputs)) as written:
+        compiled = compile_once()
+    report = partitioner.last_report
+    if report is None and _aot_cache_hits() > hits:
+        # Served by AOTAutograd's cache: split in an earlier compile (another process)
+        # under this try's key, which names the cap lowered by `margin`, not what that
+        # compile measured: a first try measured above the cap and lowered is in the
+        # cache too, under the first try's key. So what is served is measured as a fresh
+        # split is.
+        if not cache_may_serve(budget):
+            raise RuntimeError(f"sac_compile: AOTAutograd's cache served a graph split "
+                               f"under {budget.label()}, whose regions were not keyed for "
+                               f"it (a bug: please report it)")
+        cap = budget.value
+    elif report is None or report.budget_bytes is None:
+        return _Try(compiled, report, None, None, "")
+    else:
+        cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
+    stop_for_a_trial()  # (a step-peak controller's measurement of this step)
+    peak, why_not = trial_step_peak(compiled, example_inputs, written=written[0])
+    return _Try(compiled, report, cap, peak, why_not)
+
+
+def _kept(t: _Try, partitioner: SACPartitioner, note: str,
+          emit: Callable[[Any], Any] | None) -> Any:
+    """The split of ``t``, measured within its cap: its report says so (a split the cache
+    served counts its graph instead), and goes to ``on_partition``."""
+    if t.report is not None:
+        t.report.notes.append(note)
+        t.report.budget_bytes, t.report.budget_measured = t.cap, t.peak
+    elif partitioner.memory_budget is not None and partitioner.graph_key:
+        partitioner.count_graph(partitioner.graph_key, t.peak, t.cap)  # (served)
+    return _emitted(t.compiled, t.report, emit)
+
+
 def _least_kept(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                 partitioner: SACPartitioner, budget: PeakBudget,
                 measured: list[tuple[int, int]], emit: Callable[[Any], Any] | None
@@ -121,34 +177,17 @@ def _least_kept(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
     least: int | None = None
     cap = budget.value if isinstance(budget.value, int) else 0
     for k in (1, 2):
-        partitioner.peak_margin, partitioner.least_kept = 0, k
-        partitioner.last_report, hits = None, _aot_cache_hits()
         try:
-            with _backward_compiled_now(), \
-                    aot_mutated_inputs(len(example_inputs)) as written:
-                compiled = compile_once()
+            t = _split_and_measure(compile_once, example_inputs, partitioner, budget, 0, k)
         except BudgetUnreachableError:
             break  # (no k-th)
-        report = partitioner.last_report
-        if report is not None and report.budget_bytes is not None:
-            cap = report.budget_bytes
-        elif report is None and _aot_cache_hits() > hits and cache_may_serve(budget):
-            cap = budget.value  # (served by AOTAutograd's cache: measured as a fresh split)
-        else:
-            break  # (not partitioned, or split without regions: nothing to try)
-        stop_for_a_trial()
-        peak, _ = trial_step_peak(compiled, example_inputs, written=written[0])
-        if peak is None:
-            break
-        least = peak if least is None else min(least, peak)
-        if peak <= cap:
-            if report is not None:
-                report.notes.append(_held_note(budget, cap, [*measured, (0, peak)]) +
-                                    " (the last, the cut keeping the least)")
-                report.budget_bytes, report.budget_measured = cap, peak
-            elif partitioner.memory_budget is not None and partitioner.graph_key:
-                partitioner.count_graph(partitioner.graph_key, peak, cap)  # (served)
-            return _emitted(compiled, report, emit), peak, cap
+        if t.cap is None or t.peak is None:
+            break  # (nothing to measure against, or not measured)
+        cap, least = t.cap, t.peak if least is None else min(least, t.peak)
+        if t.peak <= t.cap:
+            note = _held_note(budget, t.cap, [*measured, (0, t.peak)])
+            return _kept(t, partitioner, note + " (the last, the cut keeping the least)",
+                         emit), t.peak, t.cap
     return None, least, cap
 
 
@@ -159,12 +198,8 @@ def _lowered(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
     above (see the module docstring); ``measured``: each try's (margin, peak), appended."""
     margin = cap = 0  # (cap: the user's, in bytes, from the first split's report)
     for _ in range(MAX_TRIES):
-        partitioner.peak_margin, partitioner.last_report = margin, None
-        hits = _aot_cache_hits()
         try:
-            with _backward_compiled_now(), \
-                    aot_mutated_inputs(len(example_inputs)) as written:
-                compiled = compile_once()
+            t = _split_and_measure(compile_once, example_inputs, partitioner, budget, margin)
         except BudgetUnreachableError as e:
             if not measured:
                 raise
@@ -175,52 +210,30 @@ def _lowered(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                 raise _still_above(budget, cap, measured, e) from e
             margin = least_margin
             continue
-        report = partitioner.last_report
-        if report is None and _aot_cache_hits() > hits:
-            # Served by AOTAutograd's cache: split in an earlier compile (another
-            # process) under this try's key, which names the cap lowered by `margin`,
-            # not what that compile measured: a first try measured above the cap and
-            # lowered is in the cache too, under the first try's key. So what is
-            # served is measured as a fresh split is.
-            if not cache_may_serve(budget):
-                raise RuntimeError(f"sac_compile: AOTAutograd's cache served a graph "
-                                   f"split under {budget.label()}, whose regions were "
-                                   f"not keyed for it (a bug: please report it)")
-            cap = budget.value
-        elif report is None:
-            return compiled  # not partitioned (an inference graph)
-        elif report.budget_bytes is None:  # (split by torch's partitioner: no regions)
-            return _emitted(compiled, report, emit)
-        else:
-            cap = report.budget_bytes + margin  # the user's cap (the report's is lowered)
-        stop_for_a_trial()  # (a step-peak controller's measurement of this step)
-        peak, why_not = trial_step_peak(compiled, example_inputs, written=written[0])
-        if peak is None:
-            if report is not None:
-                report.notes.append(f"{budget.label()}: the step was not measured before "
-                                    f"the first run ({why_not}); it holds as the model "
-                                    f"does")
+        if t.cap is None:
+            return _emitted(t.compiled, t.report, emit)
+        cap = t.cap
+        if t.peak is None:
+            if t.report is not None:
+                t.report.notes.append(f"{budget.label()}: the step was not measured before "
+                                      f"the first run ({t.why_not}); it holds as the model "
+                                      f"does")
             else:  # (served: the split of this key, which its compile may have lowered)
                 from ..logs import log
                 log.warning("sac_compile: %s: a split AOTAutograd's cache served was not "
                             "measured before its first run (%s); it may be one its first "
-                            "compile measured above the cap", budget.label(), why_not)
-            return _emitted(compiled, report, emit)
-        measured.append((margin, peak))
-        if peak <= cap:
-            if report is not None:
-                report.notes.append(_held_note(budget, cap, measured))
-                report.budget_bytes, report.budget_measured = cap, peak
-            elif partitioner.memory_budget is not None and partitioner.graph_key:
-                partitioner.count_graph(partitioner.graph_key, peak, cap)  # (served)
-            return _emitted(compiled, report, emit)
+                            "compile measured above the cap", budget.label(), t.why_not)
+            return _emitted(t.compiled, t.report, emit)
+        measured.append((margin, t.peak))
+        if t.peak <= cap:
+            return _kept(t, partitioner, _held_note(budget, cap, measured), emit)
         # lowered by the excess; where the last lowering did not lower the measured
         # peak, by the model's error at this split (what it measured above its modelled
         # step peak) if that is more, else by twice the excess
-        excess = peak - cap
-        stuck = len(measured) > 1 and peak >= measured[-2][1]
-        modelled = report.budget_peak if report is not None else None
-        error = peak - (modelled or peak)
+        excess = t.peak - cap
+        stuck = len(measured) > 1 and t.peak >= measured[-2][1]
+        modelled = t.report.budget_peak if t.report is not None else None
+        error = t.peak - (modelled or t.peak)
         margin = max(margin + excess * (2 if stuck else 1), error if stuck else 0)
     raise _still_above(budget, cap, measured, None)
 

@@ -130,15 +130,16 @@ def _read_only_by(scheduler: Any, names: set[str], first: Any, second: Any) -> s
     """Of ``names``, the buffers no kernel but ``first`` and ``second`` reads (the fusion
     spares those only: another reader still needs the buffer)."""
     ours = set(first.get_operation_names()) | set(second.get_operation_names())
-    out = set()
     bufs = getattr(scheduler, "name_to_buf", {})
-    for name in names:
-        users = getattr(bufs.get(name), "users", None)
-        if users is not None and all(set(getattr(u.node, "get_operation_names", lambda: ())())
-                                     and set(u.node.get_operation_names()) <= ours
-                                     for u in users):
-            out.add(name)
-    return out
+
+    def within(user: Any) -> bool:  # (the graph's output is no kernel: not within)
+        get = getattr(user.node, "get_operation_names", None)
+        ops = set(get()) if get is not None else set()
+        return bool(ops) and ops <= ours
+
+    return {name for name in names
+            if (users := getattr(bufs.get(name), "users", None)) is not None
+            and all(within(u) for u in users)}
 
 
 def _nbytes(names: set[str], unreadable: float = float("inf")) -> float:

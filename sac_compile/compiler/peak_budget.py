@@ -172,8 +172,8 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                         if c is not None), key=lambda c: (c.cost, c.peak))
         if least_kept > len(least):
             raise _unreachable(budget, cap, tried, base)
-        fits = [least[least_kept - 1]]
-    elif not fits:
+        return _chosen(least[least_kept - 1], base, cap, tried, 1, fused)
+    if not fits:
         most = base.kept_bytes
         caps: set[int] = set()
         for least in _least_kept(net, under):  # without the floor, and with it
@@ -196,19 +196,26 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
                 raise _unreachable(budget, cap, tried, base)
             fits = [lowered]
     best = min(fits, key=lambda c: (c.cost, c.peak, c.kept_bytes))
-    if best is not base and not exact_each and not least_kept:
+    if best is not base and not exact_each:
         exact = candidate(best.kept_cap, exact=True)
         if exact is not None and exact.peak <= cap and exact.cost < best.cost:
             fits.append(exact)
             best = exact
-    if best is not base and not least_kept:
+    if best is not base:
         if not fused:  # (fused: the model is Inductor's within a few %, no aim to the byte)
             best = _to_the_cap(candidate, tried, best, cap)
         best = _put_back(gm, net, best, cap, fused)
+    return _chosen(best, base, cap, tried, len(fits), fused)
+
+
+def _chosen(best: _Candidate, base: _Candidate, cap: int, tried: list[_Candidate],
+            fitting: int, fused: bool) -> tuple[Solved, Floor, PeakFit]:
+    """:func:`solve_peak_budget`'s answer: ``best``'s solve (its region boundaries' facts
+    set on their nodes), its floor, and how the budget was met."""
     for u, fact in best.facts.items():
         graph_meta.set_boundary(u, fact)
     return best.solved, best.floor, PeakFit(cap, best.peak, base.peak, best.kept_cap,
-                                            len(tried), len(fits),
+                                            len(tried), fitting,
                                             min(best.peak, *(c.peak for c in tried)), fused)
 
 
