@@ -29,9 +29,11 @@ counts memory outside it (oneDNN scratch, Python objects) or, on the CPU, the al
 rounding. Storages freed by Python's cycle collector are freed when it runs: collect
 garbage before the step if the peak must not depend on it. On the CPU the profiler cannot be
 nested (no ``measured_peak`` inside another, nor inside a user's profiler) and adds time,
-never bytes; it reports no free of a block allocated before it began (it never saw the
-size), so a step that frees earlier memory (last step's gradients) reads as if it still
-held it: clear those before the step. Imports nothing of sac_compile but
+never bytes. A free of a block allocated before the step began is not counted, so a step
+that frees earlier memory (last step's gradients) reads as if it still held it: clear those
+before the step. (The profiler reports such a free only where an earlier profiled run saw
+the address allocated, with that run's size even when the address has been reused since:
+counted, the figure would depend on what was measured before.) Imports nothing of sac_compile but
 ``torch_internals``.
 """
 from __future__ import annotations
@@ -141,13 +143,15 @@ def _replay(result: MeasuredPeak, events: list[tuple[int, int, str, str, int]]) 
               if name == "[memory]" and dev == "cpu"]
     # Which allocations the step also frees (an address's allocation ends at its next free);
     # the others it leaves allocated (gradients). A free of a block allocated before the
-    # step is not reported by the profiler (it never saw its size).
+    # step is dropped (the module's note: its size may be another block's).
     transient, open_at = [False] * len(memory), {}
     for i, (_, n, addr) in enumerate(memory):
         if n > 0:
             open_at[addr] = i
         elif addr in open_at:
             transient[open_at.pop(addr)] = transient[i] = True
+    kept = [i for i, (_, n, _) in enumerate(memory) if n > 0 or transient[i]]
+    memory, transient = [memory[i] for i in kept], [transient[i] for i in kept]
     start = marks[0][0] if marks else (memory[0][0] if memory else 0)
     phases = [("step", start)] + [(p, t) for t, p in marks if p != "step"]
     # Events before the step's own mark (none, unless the clock ties) belong to it.
