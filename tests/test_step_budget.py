@@ -97,7 +97,10 @@ def test_measured_step_peak_within_the_budget(name, compiler, references):
     given), the gradients are no checkpointing's, and the recompute falls as the budget
     rises; under aot_eager the model is within 3% of the measurement (under Inductor the
     budget holds by the measured trial, ``compiler/measured_fit.py``: the model's error
-    there is the next test's). Inductor: dropout 0 (its
+    there is the next test's). Under Inductor at full AC's peak, fewer FLOPs recomputed
+    than full AC's: GPT-2 at most half (issue 27's target; 1.14 of 2.68 GFLOPs, 0.43x,
+    the cut keeping the least with values put back), Llama 1.65 of 2.70 (0.61x: the
+    cheapest cut the model finds under the cap, the model within 0.1% there). Inductor: dropout 0 (its
     gradients are checked against eager's only with eager's RNG, ``fallback_random``,
     which allocates the masks Inductor's own RNG computes inside its kernels)."""
     dropout = compiler != "inductor"
@@ -108,9 +111,16 @@ def test_measured_step_peak_within_the_budget(name, compiler, references):
                         dropout=dropout, **kw)
 
     free = _ok(run("ours"))
-    full = min(_ok(run(s)).measured for s in ("torch full AC", "ours recompute_all"))
+    full_ac = min((_ok(run(s)) for s in ("torch full AC", "ours recompute_all")),
+                  key=lambda p: (p.measured, p.flops))
+    full = full_ac.measured
     assert full < free.measured
     low = run("ours", budget=PeakBudget(full))
+    if low.status == "ok":
+        print(f"{name} {compiler}: at full AC's {full} B, {low.flops} FLOPs recomputed "
+              f"against full AC's {full_ac.flops} ({low.flops / full_ac.flops:.2f}x)")
+        if compiler == "inductor":  # (aot_eager: test_at_full_acs_peak_ours_recomputes_...)
+            assert low.flops <= full_ac.flops / (2 if name == "gpt2" else 1)
     if low.status == "unreachable":
         print(f"{name} {compiler}: full AC's {full} B out of reach, least found "
               f"{low.proposed.value} B")
@@ -134,19 +144,15 @@ def test_measured_step_peak_within_the_budget(name, compiler, references):
 def test_inductor_step_model_within_3_percent_at_the_budgets():
     """The Inductor points of the test above: the modelled step peak of each split is
     within 3% of its measured one (issue 27's target for the model). Measured 2026-11-30:
-    GPT-2 -0.0% / -0.0% at the upper two, Llama +0.1% / -0.0% / -0.0%. One miss, on the
-    safe side: GPT-2 at full AC's measured peak (25,882,760 B) is split at the cut keeping
-    the least, which the measured trial tries last because the model's own least measured
-    above the cap (27,094,176 B against 26,008,064 modelled); there the model says
-    26,150,912 B and the allocator 25,367,696 (+3.1%): held within 5%, and not below (the
-    model's misses near full AC's peak: README, "Not to the byte on every cut between")."""
+    GPT-2 +1.1% / -0.0% / -0.0% (at full AC's measured peak, 25,882,760 B, the split is
+    the cut keeping the least with values put back, which the measured trial tries after
+    the model's least measured above the cap: 26,073,096 B modelled, 25,795,624
+    measured), Llama +0.1% / -0.0% / -0.0%."""
     if not INDUCTOR_POINTS:
         pytest.skip("runs after test_measured_step_peak_within_the_budget's Inductor points")
     errors = {k: m / p - 1 for k, (m, p) in INDUCTOR_POINTS.items()}
     print({k: f"{e:+.1%}" for k, e in errors.items()})
-    gpt2_full = ("gpt2", min((n for name, n in errors if name == "gpt2"), default=None))
-    assert all(abs(e) <= 0.03 for k, e in errors.items() if k != gpt2_full), errors
-    assert gpt2_full not in errors or 0 <= errors[gpt2_full] <= 0.05, errors
+    assert all(abs(e) <= 0.03 for e in errors.values()), errors
 
 
 def _misses(reason):

@@ -6,10 +6,12 @@ lower the measured peak (the model's error is not the same at every cut), the ne
 lowered by the model's error at that split (measured minus modelled) or twice the excess,
 the more; below the least the model finds, the model's least is tried. Last, where none of
 those measured within the cap (or the model finds no split under it), the cuts that keep
-the least (with the region-boundary floor and without it, cheapest first) are measured:
-the model's error is not the same at every cut, so its least is not always the least
-measured (HF GPT-2, bench, at full AC's measured peak: its least 26,569,888 B, the cut
-keeping the least 25,367,696 B).
+the least (with the region-boundary floor and without it, cheapest first, each first with
+the values it recomputes put back while its modelled peak stays within its own) are
+measured: the model's error is not the same at every cut, so its least is not always the
+least measured (HF GPT-2, bench, at full AC's measured peak 25,882,760 B: its least
+measured 26,569,888 B; the cut keeping the least 25,367,696 B with 3.49 GFLOPs
+recomputed, with values put back 25,795,624 B with 1.14).
 
 Why: the cut is chosen before Inductor runs, against the model of what Inductor allocates
 (:mod:`.inductor_alloc`). The model follows Inductor's allocation rules but not all of its
@@ -65,6 +67,9 @@ from .partition import SACPartitioner
 __all__ = ["fit_measured", "cache_may_serve", "trial_step_peak", "trial_inputs", "MAX_TRIES"]
 
 MAX_TRIES = 5  # splits tried (the first, then each under a cap lowered by the excess)
+# then the cuts keeping the least: with the floor and without it, each with values put back
+# first, then as it is (``peak_budget._least_kept_tries``)
+LEAST_KEPT_TRIES = 4
 
 
 def fit_measured(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
@@ -168,15 +173,17 @@ def _least_kept(compile_once: Callable[[], Any], example_inputs: Sequence[Any],
                 ) -> tuple[Any, int | None, int]:
     """The last tries, where every split the model chose measured above the cap (or the
     model finds none under it): the cuts that keep the least (with the region-boundary
-    floor and without it), cheapest first, each measured. The model's error is not the same
+    floor and without it), cheapest first, each with values put back first
+    (``peak_budget._least_kept_tries``), each measured. The model's error is not the same
     at every cut, so its least is not always the least measured (HF GPT-2, bench, Inductor:
     the model's least split under ``PeakBudget(25,882,760)``, full AC's measured peak,
-    measured 26,569,888 B; the cheapest cut keeping the least, 25,367,696 B).
+    measured 26,569,888 B; the cheapest cut keeping the least with values put back,
+    25,795,624 B).
     ``(compiled, the least measured peak, the cap)``, compiled None where none measures
     within the cap or none can be tried (the caller raises)."""
     least: int | None = None
     cap = budget.value if isinstance(budget.value, int) else 0
-    for k in (1, 2):
+    for k in range(1, LEAST_KEPT_TRIES + 1):
         try:
             t = _split_and_measure(compile_once, example_inputs, partitioner, budget, 0, k)
         except BudgetUnreachableError:
