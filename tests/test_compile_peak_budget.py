@@ -464,11 +464,13 @@ def test_the_split_does_not_depend_on_which_trace_of_the_program_it_is(fraction,
 
 @pytest.mark.parametrize("fusing", [False, True], ids=["aot_eager", "inductor"])
 def test_the_put_back_runs_for_either_peak_model(fusing, monkeypatch):
-    """Step 5 (values put back under the peak) runs whichever peak model the split is
-    chosen by - the eager walk or Inductor's allocations - and the stepping to the cap
-    (step 4) only by the eager walk, which is exact to the byte. (A session's edit once
-    put the put-back under the eager walk alone: no quick test saw it, and Inductor's
-    split at full AC's peak on HF GPT-2 went out of reach.)"""
+    """Step 5 (values put back under the peak) and the stepping to the cap (step 4) run
+    whichever peak model the split is chosen by - the eager walk or Inductor's
+    allocations (under Inductor the measured trial holds the cap where the model is off;
+    the stepping was the eager walk's alone until 2026-11-30: HF Llama, bench, at
+    30,632,968 B it recomputes 0.575 GFLOPs, 0.596 without). (A session's edit once put
+    the put-back under the eager walk alone: no quick test saw it, and Inductor's split
+    at full AC's peak on HF GPT-2 went out of reach.)"""
     import sac_compile.compiler.partition as partition
     import sac_compile.compiler.peak_budget as peak_budget
     from sac_compile.compiler.choose_cut import choose_cut
@@ -502,4 +504,4 @@ def test_the_put_back_runs_for_either_peak_model(fusing, monkeypatch):
     torch.compile(lambda x: model(x).sum(), backend=make_backend(compiler="aot_eager"))(
         x).backward()
     assert calls["cut"]["put_back"] == 1
-    assert calls["cut"]["to_the_cap"] == (0 if fusing else 1)
+    assert calls["cut"]["to_the_cap"] == 1

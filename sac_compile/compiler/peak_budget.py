@@ -40,8 +40,10 @@ part of the peak, so the peak is not monotone in kept bytes). :func:`solve_peak_
    with every kept value alive it moves byte for byte with the kept bytes, which the
    bisection does not reach (HF Llama, bench, ``aot_eager``, ``PeakBudget(36,810,000)``:
    1.30 GFLOPs recomputed, 1.44 before; issue 17's stack at 2,400,000 B: 8.4 MFLOPs,
-   16.8 before); not under Inductor, whose allocations the model follows within a few
-   percent, not to the byte (the measured trial, :mod:`.measured_fit`, holds the cap there);
+   16.8 before); under Inductor too, whose allocations the model follows to the byte on
+   most cuts, not all (there the measured trial, :mod:`.measured_fit`, holds the cap: HF
+   Llama, bench, ``PeakBudget(30,632,968)``: 0.575 GFLOPs, 0.596 before, measured
+   30,560,296 B);
 5. puts values that cut recomputes back, one by one (:func:`_put_back`), while the
    modelled peak fits and the cost drops: which values a peak affords to keep is not
    what a kept-byte budget sees (among identical blocks the budget solver evicts the
@@ -204,8 +206,7 @@ def solve_peak_budget(gm: fx.GraphModule, net: FlowNetwork, budget: PeakBudget,
             fits.append(exact)
             best = exact
     if best is not base:
-        if not fused:  # (fused: the model is Inductor's within a few %, no aim to the byte)
-            best = _to_the_cap(candidate, tried, best, cap)
+        best = _to_the_cap(candidate, tried, best, cap)
         best = _put_back(gm, net, best, cap, fused)
     return _chosen(best, base, cap, tried, len(fits), fused)
 
