@@ -259,3 +259,29 @@ def test_dynamic_shapes_each_split_measured_at_its_largest_size():
     assert all(n <= 3_000_000 + 16 for n in measured.values()), measured
     assert abs(measured[4] - reports[0].budget_measured) <= 16
     assert abs(measured[8] - reports[1].budget_measured) <= 16
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_below_the_models_least_keep_the_cut_keeping_the_least():
+    """``dynamic=True``, PeakBudget(1,600,000), below the least the model finds for batch 4
+    (1,649,664 B): the split is one of the cuts keeping the least, measured at batch 4
+    (1,457,928 B, within the cap); batches 2 and 3 reuse it, each within the cap, with no
+    second split."""
+    torch._dynamo.reset()
+    model = Stack(6, policy=RELAXED)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, dynamic=True, backend=make_backend(
+        memory_budget=PeakBudget(1_600_000), on_partition=reports.append))
+    measured = {}
+    for batch in (4, 2, 3):
+        x = torch.randn(batch, 64, 64, requires_grad=True)
+        fn(x).backward()
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        with measured_peak() as m:
+            fn(x).backward()
+        measured[batch] = m.bytes
+    (report,) = reports
+    assert any("the cut keeping the least" in note for note in report.notes), report.notes
+    assert abs(measured[4] - report.budget_measured) <= 16
+    assert measured[2] < measured[3] < measured[4] <= 1_600_000, measured
