@@ -232,6 +232,27 @@ def test_no_trial_under_a_running_profiler():
     assert peak is None and "profiler" in why
 
 
+def _dynamic_steps(budget, batches):
+    """(reports, batch -> measured step) of issue 17's stack compiled with ``dynamic=True``
+    under ``budget``, each batch run once (compiling where its size guard fails), then
+    measured."""
+    torch._dynamo.reset()
+    model = Stack(6, policy=RELAXED)
+    reports: list[PartitionReport] = []
+    fn = torch.compile(model, dynamic=True, backend=make_backend(
+        memory_budget=budget, on_partition=reports.append))
+    measured = {}
+    for batch in batches:
+        x = torch.randn(batch, 64, 64, requires_grad=True)
+        fn(x).backward()
+        for p in [*model.parameters(), x]:
+            p.grad = None
+        with measured_peak() as m:
+            fn(x).backward()
+        measured[batch] = m.bytes
+    return reports, measured
+
+
 @pytest.mark.slow
 def test_dynamic_shapes_each_split_measured_at_its_largest_size():
     """``dynamic=True``, Inductor, PeakBudget(3,000,000): the split solved at batch 4 is
@@ -239,20 +260,7 @@ def test_dynamic_shapes_each_split_measured_at_its_largest_size():
     measured at 8; batch 2 reuses one. Every measured step is within the cap. (Before the
     trial took the sizes' hints it raised on the symbolic sizes, and batch 8's split, as
     modelled, measured 3,035,144 B; made again twice, 2,897,672 B.)"""
-    torch._dynamo.reset()
-    model = Stack(6, policy=RELAXED)
-    reports: list[PartitionReport] = []
-    fn = torch.compile(model, dynamic=True, backend=make_backend(
-        memory_budget=PeakBudget(3_000_000), on_partition=reports.append))
-    measured = {}
-    for batch in (4, 8, 2):
-        x = torch.randn(batch, 64, 64, requires_grad=True)
-        fn(x).backward()  # compiles where the size guard fails
-        for p in [*model.parameters(), x]:
-            p.grad = None
-        with measured_peak() as m:
-            fn(x).backward()
-        measured[batch] = m.bytes
+    reports, measured = _dynamic_steps(PeakBudget(3_000_000), (4, 8, 2))
     assert len(reports) == 2
     assert all(r.budget_measured is not None and r.budget_measured <= 3_000_000
                for r in reports)
@@ -267,20 +275,7 @@ def test_dynamic_shapes_below_the_models_least_keep_the_cut_keeping_the_least():
     (1,649,664 B): the split is one of the cuts keeping the least, measured at batch 4
     (1,457,928 B, within the cap); batches 2 and 3 reuse it, each within the cap, with no
     second split."""
-    torch._dynamo.reset()
-    model = Stack(6, policy=RELAXED)
-    reports: list[PartitionReport] = []
-    fn = torch.compile(model, dynamic=True, backend=make_backend(
-        memory_budget=PeakBudget(1_600_000), on_partition=reports.append))
-    measured = {}
-    for batch in (4, 2, 3):
-        x = torch.randn(batch, 64, 64, requires_grad=True)
-        fn(x).backward()
-        for p in [*model.parameters(), x]:
-            p.grad = None
-        with measured_peak() as m:
-            fn(x).backward()
-        measured[batch] = m.bytes
+    reports, measured = _dynamic_steps(PeakBudget(1_600_000), (4, 2, 3))
     (report,) = reports
     assert any("the cut keeping the least" in note for note in report.notes), report.notes
     assert abs(measured[4] - report.budget_measured) <= 16
