@@ -268,8 +268,14 @@ from torch._dynamo.utils import counters
 
 least_kept = [0]  # which cut keeping the least each split made here was (0: none)
 _partition = SACPartitioner._partition
-SACPartitioner._partition = lambda self, *a, **k: (least_kept.append(self.least_kept),
-                                                   _partition(self, *a, **k))[1]
+
+
+def _counted(self, *args, **kwargs):
+    least_kept.append(self.least_kept)
+    return _partition(self, *args, **kwargs)
+
+
+SACPartitioner._partition = _counted
 mode, n = sys.argv[1].split(":")
 n = float(n) if "." in n else int(n)
 relaxed = policies.relaxed(policies.save_matmuls)
