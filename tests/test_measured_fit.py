@@ -270,13 +270,14 @@ def test_dynamic_shapes_each_split_measured_at_its_largest_size():
 
 
 @pytest.mark.slow
-def test_dynamic_shapes_below_the_models_least_keep_the_cut_keeping_the_least():
-    """``dynamic=True``, PeakBudget(1,600,000), below the least the model finds for batch 4
-    (1,649,664 B): the split is one of the cuts keeping the least, measured at batch 4
-    (1,457,928 B, within the cap); batches 2 and 3 reuse it, each within the cap, with no
-    second split."""
-    reports, measured = _dynamic_steps(PeakBudget(1_600_000), (4, 2, 3))
+def test_dynamic_shapes_at_the_models_least_keep_its_split_for_every_size():
+    """``dynamic=True``, PeakBudget(1,460,000), just above the least the model finds for
+    batch 4 (1,457,664 B): the model's split, measured at batch 4 (1,457,928 B, within the
+    cap); batches 2 and 3 reuse it, each within the cap, with no second split. (Before the
+    model walked Inductor's reordering for peak memory its least was 1,649,664 B: only the
+    last tries, the cuts keeping the least, met such a cap.)"""
+    reports, measured = _dynamic_steps(PeakBudget(1_460_000), (4, 2, 3))
     (report,) = reports
-    assert any("the cut keeping the least" in note for note in report.notes), report.notes
+    assert not any("the cut keeping the least" in note for note in report.notes), report.notes
     assert abs(measured[4] - report.budget_measured) <= 16
-    assert measured[2] < measured[3] < measured[4] <= 1_600_000, measured
+    assert measured[2] < measured[3] < measured[4] <= 1_460_000, measured

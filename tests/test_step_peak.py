@@ -317,10 +317,10 @@ print(json.dumps({"measured": m.bytes, "least_kept": max(least_kept),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,loose,tight", [("whole", 2_300_000, 1_900_000),
-                                              ("whole", 1_600_000, 1_500_000),
+                                              ("whole", 1_460_000, 1_458_000),
                                               ("blocks", 4_500_000, 3_600_000),
                                               ("apply_whole", 2_300_000, 1_900_000)],
-                         ids=["whole", "whole, the cut keeping the least", "blocks",
+                         ids=["whole", "whole, at the model's least", "blocks",
                               "apply_whole"])
 def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
         tmp_path, mode, loose, tight):
@@ -335,9 +335,10 @@ def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
     by the excess: both are in AOTAutograd's cache, the first under the key a process
     looks up first. (Before: served without a measurement, a warm process's step measured
     2,304,776 B, above the cap; now what the cache serves is measured, as a fresh split.)
-    Below the least the model finds (1,600,000 B: 1,649,664 modelled), the cold process
-    keeps the last of the cuts keeping the least (1,457,928 B measured, the one before it
-    1,649,416): the warm one, served both, measures them again and keeps the same."""
+    At the least the model finds (1,457,664 B modelled; 1,460,000 and 1,458,000 B), each
+    process keeps the model's own split, measured 1,457,928 B. (Before the model walked
+    Inductor's reordering for peak memory its least was 1,649,664 B, and a cap of 1,600,000
+    was met only by the last tries, the cuts keeping the least.)"""
     from fixtures.cache_process import run_with_cache
     cold = run_with_cache(CACHE_SCRIPT, f"{mode}:{loose}", tmp_path)
     warm = run_with_cache(CACHE_SCRIPT, f"{mode}:{loose}", tmp_path)
@@ -348,9 +349,7 @@ def test_processes_sharing_a_compile_cache_each_hold_their_own_peak_budget(
     if mode != "blocks":  # (blocks: kept-byte caps, split by the cap's key, not measured)
         assert warm["aot_hit"] >= 1, warm
     assert tighter["measured"] <= tight, tighter
-    # (the least row: the cold process split both cuts keeping the least; the warm one was
-    # served both, splitting only its first try, which the model finds no split for)
-    assert (cold["least_kept"], warm["least_kept"]) == ((2, 0) if loose < 2e6 else (0, 0))
+    assert (cold["least_kept"], warm["least_kept"]) == (0, 0)  # (the model's splits)
 
 
 PROFILED_SCRIPT = """

@@ -11,7 +11,8 @@ GPT-2's backward recomputes a layer's attention scores (2 MiB) in the next layer
 softmax kernel (both read the mask); Llama's recomputed RMSNorm output, read by the
 logits' weight gradient, is made in the kernel of the norm's backward, after the input
 gradient's matmul. Not modelled: vertical fusions (a kernel with its reader: they move
-little), Inductor's reordering for its own peak estimate. Our backend's fusion veto
+little). Inductor's reordering for its own peak estimate, after fusion, is
+:mod:`.peak_memory_order`'s. Our backend's fusion veto
 (:mod:`.near_fusion`) refuses these moves where they keep bytes alive: the model walks in
 this order only on a torch without the veto's hooks.
 """
