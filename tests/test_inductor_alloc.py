@@ -23,6 +23,13 @@ def _everything(walk: Walk):
     return lambda k: k[0] not in walk.given_names
 
 
+def _graph_walk(graph: fx.Graph) -> Walk:
+    """The walk of ``graph``'s nodes, its placeholders given."""
+    nodes = list(graph.nodes)
+    return Walk([n for n in nodes if n.op != "placeholder"],
+                given=[n for n in nodes if n.op == "placeholder"])
+
+
 def _fusible(n: fx.Node) -> bool:
     from sac_compile.torch_internals import get_default_op_list
     return get_default_op_list().is_fusible(n)
@@ -154,9 +161,7 @@ def test_a_fallback_kernels_outputs_read_from_a_cpu_input_are_never_taken(reads)
     after = b.op(aten.mm.default, (flat, w), 128, 32)      # gq dies: its kind
     again = b.op(aten.mm.default, (after, w), 128, 32)     # the next of that kind
     b.g.output((again,))
-    nodes = list(b.g.nodes)
-    walk = Walk([n for n in nodes if n.op != "placeholder"],
-                given=[n for n in nodes if n.op == "placeholder"])
+    walk = _graph_walk(b.g)
     assert ia.unaligned(walk) == ({(grads.name, i) for i in range(3)}
                                   if reads == "an input" else set())
     taken = ia.reused(walk, _everything(walk))
@@ -198,9 +203,7 @@ def _far_add(early: bool) -> tuple[Walk, fx.Node]:
     for _ in range(8):
         y = g.op(aten.sin.default, (y,), 256, 32)
     g.g.output((g.op(aten.add.Tensor, (other, product), 256, 32), y, *outs))
-    nodes = list(g.g.nodes)
-    walk = Walk([n for n in nodes if n.op != "placeholder"],
-                given=[n for n in nodes if n.op == "placeholder"])
+    walk = _graph_walk(g.g)
     return walk, product
 
 
@@ -227,9 +230,7 @@ def test_random_numbers_are_drawn_inside_the_kernel_that_reads_them():
     keep = g.op(aten.gt.Scalar, (r, 0.1), 256, 256, dtype=torch.bool)
     y = g.op(aten.mul.Tensor, (x, keep), 256, 256)
     g.g.output((y,))
-    nodes = list(g.g.nodes)
-    walk = Walk([n for n in nodes if n.op != "placeholder"],
-                 given=[n for n in nodes if n.op == "placeholder"])
+    walk = _graph_walk(g.g)
     made, read = ia.inductor_fusible(_fusible)
     assert ia.fused_away(walk, made, read) == {(r.name, 0), (keep.name, 0)}
 
@@ -250,9 +251,7 @@ def test_a_value_read_twice_is_allocated_when_it_reads_more_than_four_storages(i
     w = g.input("w", 64, 64)
     o1, o2 = g.op(aten.mm.default, (r1, w), 64, 64), g.op(aten.mm.default, (r2, w), 64, 64)
     g.g.output((o1, o2))
-    nodes = list(g.g.nodes)
-    walk = Walk([n for n in nodes if n.op != "placeholder"],
-                 given=[n for n in nodes if n.op == "placeholder"])
+    walk = _graph_walk(g.g)
     away = ia.fused_away(walk, _fusible)
     assert ((s.name, 0) not in away) is allocated
     assert (r1.name, 0) not in away  # read by a matrix product: allocated
@@ -275,9 +274,7 @@ def test_kernels_reading_the_same_storage_run_together_where_the_first_ran():
     k2 = g.op(aten.mul.Tensor, (b2, mask), 128, 128)
     o2 = g.op(aten.mm.default, (k2, w), 128, 128)
     g.g.output((o1, o2))
-    nodes = list(g.g.nodes)
-    walk = Walk([n for n in nodes if n.op != "placeholder"],
-                 given=[n for n in nodes if n.op == "placeholder"])
+    walk = _graph_walk(g.g)
     order = [n.name for n in inductor_order(walk, set(), _fusible) if n.op != "output"]
     assert order.index(b2.name) < order.index(k1.name) and \
         order.index(k2.name) == order.index(k1.name) + 1 and \
@@ -311,9 +308,7 @@ def test_kernels_run_in_the_order_inductor_finds_for_its_peak_estimate():
     measured 1,457,928 B, modelled 1,649,664 in autograd's order, 1,457,664 in this)."""
     from sac_compile.compiler.peak_memory_order import peak_memory_order
     graph, n = _gelu_backward_graph()
-    nodes = list(graph.nodes)
-    walk = Walk([x for x in nodes if x.op != "placeholder"],
-                given=[x for x in nodes if x.op == "placeholder"])
+    walk = _graph_walk(graph)
     counted = _everything(walk)
     assert ia.written_in_place(walk, set(), _fusible, lambda k: True) == {(n["v"].name, 0)}
     order = peak_memory_order(walk, set(), counted)
@@ -344,9 +339,7 @@ def test_the_greedy_order_runs_each_kernel_after_the_kernels_it_reads():
     graph's order's less the GELU's recompute held beside the product."""
     from sac_compile.compiler.peak_memory_order import _Kernels
     graph, n = _gelu_backward_graph()
-    nodes = list(graph.nodes)
-    walk = Walk([x for x in nodes if x.op != "placeholder"],
-                given=[x for x in nodes if x.op == "placeholder"])
+    walk = _graph_walk(graph)
     kernels = _Kernels(walk, set(), lambda k: True)  # (the given values counted too)
     assert [k.name for k in kernels.order] == [n[k].name for k in ("m", "u", "w1", "v", "x")]
     assert [kernels.size(k) for k in kernels.freeable] == [256 * KIB]  # a, not t or w

@@ -393,14 +393,15 @@ def _allocated_away(walk: Walk, counted: Callable[[Key], bool],
     from .inductor_order import inductor_order
     folded = folded_into_addmm(walk, made, apart)
     away = fused_away(walk, made, read) | set(folded)
+    # Inductor's orders, as it applies them: its horizontal fusions, then its reordering
+    # for its own peak estimate (each asked of the walk as the one before left it)
+    orders: list[Callable[[], list[fx.Node]]] = []
     if reorder:
-        seq = inductor_order(walk, away, made)
-        if seq is not walk.nodes:
-            walk.reorder(seq)
-            folded = folded_into_addmm(walk, made, apart)
-            away = fused_away(walk, made, read) | set(folded)
+        orders.append(lambda: inductor_order(walk, away, made))
     if PEAK_MEMORY_ORDER and reorders_for_peak_memory():
-        seq = peak_memory_order(walk, away, counted)
+        orders.append(lambda: peak_memory_order(walk, away, counted))
+    for order in orders:
+        seq = order()
         if seq is not walk.nodes:
             walk.reorder(seq)
             folded = folded_into_addmm(walk, made, apart)

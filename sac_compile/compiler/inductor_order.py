@@ -18,15 +18,14 @@ this order only on a torch without the veto's hooks.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import torch.fx as fx
 
 from .. import graph_meta
-from .storage_walk import Key, Walk, alias_source
+from .storage_walk import Key, Walk, kernel_reads, kernel_storages
 
-__all__ = ["inductor_order"]
+__all__ = ["inductor_order", "schedule"]
 
 WINDOW = 64      # config.max_fusion_buffer_group_pairwise_attempts, are_long_distant_nodes
 MAX_FUSED = 64   # config.max_fusion_size
@@ -45,10 +44,7 @@ def inductor_order(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool
     """``walk``'s nodes in the order Inductor's horizontal fusion runs them (see the
     module docstring); ``away``: the storages computed inside the kernels that read them."""
     nodes = walk.nodes
-    kernels = [n for n in nodes if n.op == "call_function" and alias_source(n) is None and
-               n.target is not operator.getitem and n.name not in walk.given_names and
-               any(k is not None and k[0] == n.name and k not in away
-                   for k in walk.keys.get(n, ()))]
+    kernels = [n for n in nodes if kernel_storages(walk, n, away)]
     index = {n: i for i, n in enumerate(kernels)}
     # ancestors (kernels) of every node, as bit sets; what each kernel reads, through the
     # values it computes inside; how many elements it loops over
@@ -61,22 +57,10 @@ def inductor_order(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool
             mask |= above.get(a, 0) | (1 << index[a] if a in index else 0)
         above[n] = mask
         if n in index and fusible(n):
-            found, stack, seen = set(), list(n.all_input_nodes), set()
-            largest = _numel(n) or 0
-            while stack:
-                a = stack.pop()
-                if a in seen:
-                    continue
-                seen.add(a)
-                largest = max(largest, _numel(a) or 0)  # a reduction loops over its input
-                for k in walk.keys.get(a, ()):
-                    if k is None:
-                        continue
-                    if k in away:
-                        stack.extend(walk.maker[k].all_input_nodes)
-                    else:
-                        found.add(k)
-            reads[n], loop[n] = found, largest
+            found, seen = kernel_reads(walk, n, away)
+            # a reduction loops over its input
+            reads[n] = set(found)
+            loop[n] = max([_numel(n) or 0, *(_numel(a) or 0 for a in seen)])
     by_storage: dict[Key, list[fx.Node]] = {}
     for n in kernels:
         for k in reads.get(n, ()):
@@ -118,7 +102,7 @@ def inductor_order(walk: Walk, away: set[Key], fusible: Callable[[fx.Node], bool
             ancestry[m], bits[m] = anc, bit
     if not fused:
         return nodes
-    return _schedule(nodes, group)
+    return schedule(nodes, group)
 
 
 def _reaches(src: list[fx.Node], dst: list[fx.Node], fused: dict[int, list[fx.Node]],
@@ -136,13 +120,16 @@ def _reaches(src: list[fx.Node], dst: list[fx.Node], fused: dict[int, list[fx.No
     return False
 
 
-def _schedule(nodes: list[fx.Node], group: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
-    """Each fused group where its earliest member was, after what its members read."""
+def schedule(nodes: list[fx.Node], group: dict[fx.Node, list[fx.Node]],
+             starts: list[fx.Node] | None = None) -> list[fx.Node]:
+    """``nodes`` placed from ``starts`` (by default ``nodes``) in turn, each fused group
+    where its earliest member was, after what its members read (inputs in ``nodes``'
+    order); the graph's output last."""
     placed: set[fx.Node] = set()
     opened: set[fx.Node] = set()  # (a cycle cannot happen: fusions that make one are refused)
     out: list[fx.Node] = []
     position = {n: i for i, n in enumerate(nodes)}
-    for start in nodes:
+    for start in nodes if starts is None else starts:
         if start.op == "output":
             continue
         stack: list[tuple[fx.Node, bool]] = [(start, False)]

@@ -34,7 +34,8 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from .storage_walk import Key, Walk, alias_source
+from .inductor_order import schedule
+from .storage_walk import Key, Walk, kernel_reads, kernel_storages
 
 __all__ = ["peak_memory_order", "reorders_for_peak_memory"]
 
@@ -57,35 +58,21 @@ class _Kernels:
 
     def __init__(self, walk: Walk, away: set[Key], counted: Callable[[Key], bool]) -> None:
         self.walk = walk
-        self.order = [n for n in walk.nodes if _allocates(walk, n, away, counted)]
-        index = {n: i for i, n in enumerate(self.order)}
-        self.made = {n: [k for k in walk.keys.get(n, ()) if k is not None and k[0] == n.name
-                         and k[1] >= 0 and k not in away and counted(k)] for n in self.order}
+        # what each kernel allocates, in the walk's order
+        self.made = {n: ks for n in walk.nodes
+                     if (ks := kernel_storages(walk, n, away, counted))}
+        self.order = list(self.made)
+        self.index = {n: i for i, n in enumerate(self.order)}
         self.readers: dict[Key, list[fx.Node]] = {}
         self.reads: dict[fx.Node, list[Key]] = {}
         for n in self.order:
-            found: dict[Key, None] = {}
-            stack, seen = list(n.all_input_nodes), set()
-            while stack:
-                a = stack.pop()
-                if a in seen:
-                    continue
-                seen.add(a)
-                for k in walk.keys.get(a, ()):
-                    if k is None:
-                        continue
-                    if k in away and walk.maker[k].name not in walk.given_names:
-                        stack.extend(walk.maker[k].all_input_nodes)  # inlined here
-                    else:
-                        found[k] = None
-            self.reads[n] = [k for k in found if walk.maker[k] is not n]
+            self.reads[n] = [k for k in kernel_reads(walk, n, away)[0] if walk.maker[k] is not n]
             for k in self.reads[n]:
                 self.readers.setdefault(k, []).append(n)
         self.maker = {k: n for n, ks in self.made.items() for k in ks}
         self.freeable = [k for k in self.readers if k not in self.maker and
                          walk.maker[k].name in walk.given_names and walk.made_at[k] < 0 and
                          not walk.maker[k].name.startswith(_NOT_FREEABLE) and counted(k)]
-        self.index = index
 
     def size(self, k: Key) -> int:
         return self.walk.size[k]
@@ -159,16 +146,6 @@ class _Kernels:
                 for n in self.order}
 
 
-def _allocates(walk: Walk, n: fx.Node, away: set[Key], counted: Callable[[Key], bool]
-               ) -> bool:
-    """A kernel: a node (not a view, an item of a list or a given value) that makes a
-    storage Inductor allocates."""
-    return n.op == "call_function" and alias_source(n) is None and \
-        n.target is not operator.getitem and n.name not in walk.given_names and \
-        any(k is not None and k[0] == n.name and k[1] >= 0 and k not in away and counted(k)
-            for k in walk.keys.get(n, ()))
-
-
 def peak_memory_order(walk: Walk, away: set[Key], counted: Callable[[Key], bool]
                       ) -> list[fx.Node]:
     """``walk``'s nodes in the order Inductor runs them after its reordering for peak
@@ -189,34 +166,8 @@ def _placed(nodes: list[fx.Node], kernels: list[fx.Node]) -> list[fx.Node]:
     """``nodes`` with ``kernels`` in that order, each after what it reads (the values it
     computes inside, views) and followed by the items of its value; the rest after."""
     position = {n: i for i, n in enumerate(nodes)}
-    placed: set[fx.Node] = set()
-    out: list[fx.Node] = []
-
-    def place(start: fx.Node) -> None:
-        stack: list[tuple[fx.Node, bool]] = [(start, False)]
-        while stack:
-            n, ready = stack.pop()
-            if n in placed:
-                continue
-            if ready:
-                placed.add(n)
-                out.append(n)
-                continue
-            stack.append((n, True))
-            stack.extend((a, False) for a in sorted(
-                (a for a in n.all_input_nodes if a in position and a not in placed),
-                key=position.__getitem__, reverse=True))
-
-    for n in nodes:  # the given values first, where they are
-        if n.op == "placeholder":
-            placed.add(n)
-            out.append(n)
+    starts = [n for n in nodes if n.op == "placeholder"]
     for k in kernels:
-        place(k)
-        for u in sorted((u for u in k.users if u.target is operator.getitem and
-                         u in position), key=position.__getitem__):
-            place(u)
-    for n in nodes:
-        if n not in placed:
-            place(n)
-    return out
+        starts += [k, *sorted((u for u in k.users if u.target is operator.getitem and
+                               u in position), key=position.__getitem__)]
+    return schedule(nodes, {}, [*starts, *nodes])

@@ -18,7 +18,8 @@ from ..cut import costs
 from ..torch_internals import OpOverload, pytree
 from .op_temporaries import operand_copy_bytes
 
-__all__ = ["Key", "Walk", "alias_source", "storage_base", "read_only_by_fusible"]
+__all__ = ["Key", "Walk", "alias_source", "storage_base", "read_only_by_fusible",
+           "kernel_storages", "kernel_reads"]
 
 Key = tuple[str, int]  # (name of the node that made the storage, output index)
 
@@ -208,3 +209,36 @@ def read_only_by_fusible(node: fx.Node, within: Container[fx.Node],
             elif not fusible(u):
                 return False
     return True
+
+
+def kernel_storages(walk: Walk, n: fx.Node, away: Container[Key],
+                    counted: Callable[[Key], bool] = lambda k: True) -> list[Key]:
+    """The storages ``n`` allocates as a kernel of ``walk`` (empty: not a kernel): those it
+    makes itself, ``counted``, not in ``away`` (computed inside their readers, folded);
+    views, items of a list and given values are no kernels."""
+    if n.op != "call_function" or alias_source(n) is not None or \
+            n.target is operator.getitem or n.name in walk.given_names:
+        return []
+    return [k for k in walk.keys.get(n, ()) if k is not None and k[0] == n.name and
+            k not in away and counted(k)]
+
+
+def kernel_reads(walk: Walk, n: fx.Node, away: Container[Key]
+                 ) -> tuple[dict[Key, None], set[fx.Node]]:
+    """(the storages ``n``'s kernel reads, in the order found; the nodes visited): what it
+    reads through the values it computes inside (``away``: their makers' inputs instead)."""
+    found: dict[Key, None] = {}
+    stack, seen = list(n.all_input_nodes), set()
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        for k in walk.keys.get(a, ()):
+            if k is None:
+                continue
+            if k in away:
+                stack.extend(walk.maker[k].all_input_nodes)
+            else:
+                found[k] = None
+    return found, seen
